@@ -1,0 +1,35 @@
+"""kerasmulti: train and run an existing Keras 3 model on several devices.
+
+Public API (everything else is private):
+
+- `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
+- `unwrap(parallel)`: the template model behind a parallel model.
+- `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
+- `DeviceError`: a device request this machine cannot satisfy (a ValueError).
+"""
+
+import os as _os
+
+_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from kerasmulti._devices import DeviceError  # noqa: E402
+from kerasmulti._devices import available_devices  # noqa: E402
+from kerasmulti._devices import simulate_devices  # noqa: E402
+from kerasmulti._devices import _simulate_from_environment  # noqa: E402
+
+_simulate_from_environment()
+
+from kerasmulti._parallel import ParallelModel  # noqa: E402
+from kerasmulti._parallel import parallelize  # noqa: E402
+from kerasmulti._parallel import unwrap  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceError",
+    "ParallelModel",
+    "available_devices",
+    "parallelize",
+    "simulate_devices",
+    "unwrap",
+]

@@ -1,0 +1,225 @@
+"""Devices that replicas can run on, real or simulated, and their validation.
+
+A replica device is a GPU when the machine has any. Without GPUs the CPU can be
+split into logical devices (`simulate_devices`) so that code written for
+`gpus=4` runs unchanged on a laptop or a CI machine. TensorFlow fixes its
+logical devices the first time it initialises them, so simulation must happen
+before any model, tensor or device query exists.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Sequence
+
+import tensorflow as tf
+
+ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
+
+
+class DeviceError(ValueError):
+    """A device request that this machine cannot satisfy."""
+
+
+def _canonical(name: str) -> str:
+    spec = tf.DeviceSpec.from_string(name)
+    return f"/device:{spec.device_type}:{spec.device_index}"
+
+
+def available_devices() -> list[str]:
+    """Lists the devices that replicas can use on this machine.
+
+    GPUs come first and alone: when the machine has any GPU, only GPUs are
+    listed. Without GPUs the list holds the CPU's logical devices, which are
+    several after `simulate_devices(n)` and one (`/device:CPU:0`) otherwise.
+
+    Returns:
+        A list of canonical TensorFlow device names, such as
+        `["/device:GPU:0", "/device:GPU:1"]`.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    print(kerasmulti.available_devices())  # ['/device:CPU:0'] on a laptop
+    ```
+    """
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = gpus or tf.config.list_logical_devices("CPU")
+    return [_canonical(d.name) for d in devices]
+
+
+def _describe(devices: Sequence[str]) -> str:
+    return f"{len(devices)} ({', '.join(devices)})"
+
+
+def simulate_devices(n: int) -> list[str]:
+    """Splits the CPU into `n` logical devices so multi-GPU code runs without GPUs.
+
+    Each logical device runs its own ops, so `parallelize(model, gpus=n)`
+    executes exactly the code path it would on `n` GPUs. It must be called
+    before TensorFlow initialises its devices (before any model or tensor is
+    created). Setting the environment variable `KERASMULTI_SIMULATE_DEVICES=n`
+    before `import kerasmulti` does the same, for notebooks and the CLI.
+    Calling it again with the same `n` is harmless.
+
+    Args:
+        n: Number of logical CPU devices, at least 1.
+
+    Returns:
+        The list of available devices afterwards.
+
+    Raises:
+        ValueError: If `n` is not a positive int.
+        RuntimeError: If TensorFlow has already initialised its devices with a
+            different configuration.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)   # first thing in the program
+    print(kerasmulti.available_devices())
+    ```
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+            "simulate_devices() expects a positive int, the number of logical "
+            f"CPU devices to create. Received: n={n!r}"
+        )
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == n:
+        return available_devices()
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+        )
+    except RuntimeError as error:
+        existing = len(tf.config.list_logical_devices("CPU"))
+        raise RuntimeError(
+            f"simulate_devices({n}) came too late: TensorFlow has already "
+            f"initialised {existing} CPU device(s) in this process, and they "
+            "cannot change afterwards. Call kerasmulti.simulate_devices() first "
+            "thing, before any model or tensor is created, or set the "
+            f"environment variable {ENV_SIMULATE}={n} before starting Python "
+            f"(in a notebook: restart the kernel). Received: n={n}"
+        ) from error
+    return available_devices()
+
+
+def _simulate_from_environment() -> None:
+    value = os.environ.get(ENV_SIMULATE, "").strip()
+    if not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(
+            f"The environment variable {ENV_SIMULATE} must be a positive int, "
+            f"the number of logical CPU devices. Received: {ENV_SIMULATE}={value!r}"
+        )
+    try:
+        simulate_devices(n)
+    except RuntimeError as error:
+        warnings.warn(str(error), stacklevel=3)
+
+
+def _check_count(caller: str, n: int, devices: list[str]) -> None:
+    if n > len(devices):
+        raise DeviceError(
+            f"{caller} was asked for {n} devices but this machine has "
+            f"{_describe(devices)}. Pass gpus={len(devices)}, or call "
+            f"kerasmulti.simulate_devices({n}) before TensorFlow starts to try "
+            f"it on the CPU. Received: gpus={n}"
+        )
+
+
+def resolve_devices(
+    gpus: int | Sequence[int] | None = None,
+    devices: Sequence[str] | None = None,
+    caller: str = "parallelize()",
+) -> list[str]:
+    """Turns a `gpus=` or `devices=` request into canonical device names.
+
+    Raises `DeviceError` (a `ValueError`) naming the devices that exist when
+    the request cannot be met.
+    """
+    existing = available_devices()
+    if gpus is not None and devices is not None:
+        raise DeviceError(
+            f"{caller} takes either gpus= or devices=, not both. Pass gpus= to "
+            "pick replicas by count or id, or devices= for explicit TensorFlow "
+            f"device names. Received: gpus={gpus!r}, devices={devices!r}"
+        )
+    if devices is not None:
+        return _resolve_names(devices, caller)
+    if gpus is None:
+        return existing
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, list, tuple)):
+        raise DeviceError(
+            f"{caller} expects gpus to be a positive int (how many devices), a "
+            "list of device ids such as [0, 1], or None for all "
+            f"{_describe(existing)} available devices. Received: gpus={gpus!r}"
+        )
+    if isinstance(gpus, int):
+        if gpus < 1:
+            raise DeviceError(
+                f"{caller} needs at least one device; gpus must be 1 or more "
+                f"(this machine has {_describe(existing)}). Received: gpus={gpus}"
+            )
+        _check_count(caller, gpus, existing)
+        return existing[:gpus]
+    ids = list(gpus)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise DeviceError(
+            f"{caller} expects gpus as a non-empty list of int device ids, "
+            f"e.g. [0, 1]; this machine has {_describe(existing)}. "
+            f"Received: gpus={gpus!r}"
+        )
+    if len(set(ids)) != len(ids):
+        raise DeviceError(
+            f"{caller} got the same device id twice; each replica needs its "
+            f"own device. Remove the duplicates. Received: gpus={gpus!r}"
+        )
+    missing = [i for i in ids if not 0 <= i < len(existing)]
+    if missing:
+        raise DeviceError(
+            f"{caller} was asked for device id(s) {missing} that do not exist; "
+            f"this machine has {_describe(existing)}, ids 0 to "
+            f"{len(existing) - 1}. Received: gpus={gpus!r}"
+        )
+    return [existing[i] for i in ids]
+
+
+def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
+    known = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+    if isinstance(devices, str) or not devices:
+        raise DeviceError(
+            f"{caller} expects devices as a non-empty list of TensorFlow device "
+            f"names, such as ['/gpu:0', '/gpu:1']. Known devices: "
+            f"{', '.join(known)}. Received: devices={devices!r}"
+        )
+    names = []
+    for name in devices:
+        try:
+            canonical = _canonical(name) if isinstance(name, str) else None
+        except ValueError:
+            canonical = None
+        if canonical not in known:
+            raise DeviceError(
+                f"{caller} got a device that does not exist on this machine. "
+                f"Known devices: {', '.join(known)}. Use one of these names, or "
+                "kerasmulti.simulate_devices(n) before TensorFlow starts for "
+                f"more CPU devices. Received: devices={list(devices)!r}"
+            )
+        names.append(canonical)
+    if len(set(names)) != len(names):
+        raise DeviceError(
+            f"{caller} got the same device twice; each replica needs its own "
+            f"device. Remove the duplicates. Received: devices={list(devices)!r}"
+        )
+    return names

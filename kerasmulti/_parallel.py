@@ -1,0 +1,334 @@
+"""`parallelize`: data parallelism for an existing Keras 3 model.
+
+Split, replicate, merge: every batch is split along axis 0 into one shard per
+device; the template model runs on each shard under that device's scope (at
+call time, where Keras 3 honours it); the outputs are concatenated in order on
+the CPU. The wrapper owns no weights: it tracks the template, so training the
+wrapper trains the template, and saving either saves the template.
+
+Training does not back-propagate through the merged output (slow, see
+FINDINGS.md): each replica computes its loss and gradients on its shard, and
+the gradients are summed weighted by each shard's share of the batch. Keras
+losses averaged over the batch make that sum equal to the one-device gradient.
+Metrics are computed once on the merged output, so stateful metrics (AUC) see
+the whole batch. BatchNormalization is synchronised, see `_replicas.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+from keras import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from kerasmulti import _devices, _replicas, _split
+
+
+class ParallelModel(keras.Model):
+    """A data-parallel view of a template model; build it with `parallelize`."""
+
+    def __init__(self, template, devices, merge_device, **kwargs):
+        super().__init__(name=f"parallel_{template.name}", **kwargs)
+        self._template = template
+        self._replica_devices = list(devices)
+        self._merge_device = merge_device
+        self._batchnorm = _replicas.batchnorm_layers(template)
+        if hasattr(template, "output_names"):
+            self.output_names = template.output_names
+        self.built = True
+
+    @property
+    def replica_devices(self) -> list[str]:
+        """The devices replicas run on, in shard order."""
+        return list(self._replica_devices)
+
+    def call(self, inputs, training=None):
+        batch = _split.batch_size(inputs)
+        shards = _split.plan(batch, len(self._replica_devices))
+        if len(shards) == 1:
+            return _replicas.run(
+                self._replica_devices[:1], lambda i: self._template(inputs, training=training)
+            )[0]
+
+        def replica(i):
+            _replicas.set_valid(shards[i].size)
+            return self._template(_split.take(inputs, shards[i]), training=training)
+
+        synchronized = bool(training) and bool(self._batchnorm)
+        with self._synchronized(synchronized):
+            outputs = _replicas.run(
+                self._devices_for(shards), replica, synchronized, self.variables
+            )
+        with tf.device(self._merge_device):
+            return _split.merge(outputs, shards)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        batch = _split.batch_size(x)
+        shards = _split.plan(batch, len(self._replica_devices))
+        if len(shards) == 1:
+            return super().train_step(data)
+        trainable = self.trainable_weights
+        shares = _split.weights(shards, batch)
+
+        def replica(i):
+            shard = shards[i]
+            _replicas.set_valid(shard.size)
+            x_i = _split.take(x, shard)
+            y_i = _split.take(y, shard)
+            sw_i = _split.take(sample_weight, shard)
+            with tf.GradientTape() as tape:
+                y_pred = self._template(x_i, training=True)
+                loss = shares[i] * self._compute_loss(
+                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=True
+                )
+                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
+            gradients = tape.gradient(scaled, trainable) if trainable else []
+            return y_pred, loss, gradients
+
+        synchronized = bool(self._batchnorm)
+        with self._synchronized(synchronized), _deferred_loss_metrics(self) as flush:
+            results = _replicas.run(
+                self._devices_for(shards), replica, synchronized, self.variables
+            )
+            with tf.device(self._merge_device):
+                flush(shares, batch)
+                y_pred = _split.merge([r[0] for r in results], shards)
+                loss = tf.add_n([r[1] for r in results])
+                gradients = [
+                    _sum([r[2][k] for r in results]) for k in range(len(trainable))
+                ]
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+        )
+        if trainable:
+            self.optimizer.apply_gradients(zip(gradients, trainable))
+        else:
+            import warnings
+
+            warnings.warn("The model does not have any trainable weights.")
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _devices_for(self, shards):
+        return self._replica_devices[: len(shards)]
+
+    def _synchronized(self, enabled):
+        if not enabled:
+            return contextlib.nullcontext()
+        return _replicas.synchronized_batchnorm(self._batchnorm)
+
+    # The wrapper is a view: persistence acts on the template.
+
+    def save(self, filepath, *args, **kwargs):
+        """Saves the template model (see `keras.Model.save`)."""
+        return self._template.save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Saves the template's weights (see `keras.Model.save_weights`)."""
+        return self._template.save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Loads weights into the template (see `keras.Model.load_weights`)."""
+        return self._template.load_weights(filepath, *args, **kwargs)
+
+    def get_config(self):
+        return self._template.get_config()
+
+    def summary(self, *args, **kwargs):
+        """Prints the template's summary, preceded by the replica devices."""
+        print(
+            f"Data-parallel over {len(self._replica_devices)} device(s): "
+            f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
+        )
+        return self._template.summary(*args, **kwargs)
+
+
+def _sum(gradients):
+    present = [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
+    return tf.add_n(present) if present else None
+
+
+@contextlib.contextmanager
+def _deferred_loss_metrics(model):
+    """Per-output loss trackers record the batch's loss once, not per replica.
+
+    Keras' `CompileLoss` updates one Mean per output each time it is called;
+    called per shard it would average shard losses unweighted. Inside this
+    context the updates are collected per replica and `flush(shares, batch)`
+    applies their share-weighted sum once, as one device would.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    metrics = list(getattr(compile_loss, "metrics", None) or [])
+    recorded = {id(m): {} for m in metrics}
+    lock = threading.Lock()
+
+    def recorder(metric):
+        def update_state(values, sample_weight=None):
+            with lock:
+                recorded[id(metric)][_replicas.replica_id()] = values
+
+        return update_state
+
+    for metric in metrics:
+        metric.update_state = recorder(metric)
+
+    def flush(shares, batch):
+        for metric in metrics:
+            values = recorded[id(metric)]
+            if not values:
+                continue
+            combined = tf.add_n([shares[i] * tf.cast(v, tf.float32) for i, v in values.items()])
+            type(metric).update_state(
+                metric, combined, sample_weight=batch if isinstance(batch, int) else None
+            )
+
+    try:
+        yield flush
+    finally:
+        for metric in metrics:
+            del metric.update_state
+
+
+def _refuse_unsplittable(model) -> None:
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if getattr(layer, "stateful", False):
+            raise ValueError(
+                f"parallelize() cannot split the stateful layer '{layer.name}' "
+                f"({type(layer).__name__}): its state carries over from one "
+                "batch to the next row by row, so it cannot be shared between "
+                "replicas that see different rows. Rebuild the model with "
+                f"stateful=False, or run it on one device. Received: "
+                f"layer={layer.name!r} with stateful=True"
+            )
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
+            raise ValueError(
+                f"parallelize() does not support batch renormalisation in layer "
+                f"'{layer.name}': its correction terms are not synchronised "
+                "across replicas. Use BatchNormalization(renorm=False), or run "
+                f"on one device. Received: layer={layer.name!r} with renorm=True"
+            )
+
+
+def _relocate_to_cpu(model) -> None:
+    with tf.device("/cpu:0"):
+        for variable in model.variables:
+            variable._initialize(variable.value.read_value())
+
+
+def parallelize(
+    model: keras.Model,
+    gpus: int | Sequence[int] | None = None,
+    devices: Sequence[str] | None = None,
+    cpu_merge: bool = True,
+    cpu_relocation: bool = False,
+) -> ParallelModel:
+    """Replicates a Keras model on several devices for data-parallel training.
+
+    Each batch is split along axis 0 into one shard per device (sizes differ by
+    at most one; a batch smaller than the device count uses fewer replicas).
+    The model runs on every shard on its own device, and the outputs are
+    concatenated in order on the CPU. The returned model shares every weight
+    with `model`: compile and fit it, and `model` is trained; `save()` on it
+    saves `model`. Results equal those of `model` on one device, including
+    `sample_weight`, `class_weight`, stateful metrics and BatchNormalization
+    statistics (synchronised across replicas). With one device it is a
+    pass-through, so code written for N GPUs runs on a laptop.
+
+    Args:
+        model: A built `keras.Model` (Sequential, functional, subclassed or
+            loaded from a file).
+        gpus: How many devices to use (the first `gpus` of
+            `kerasmulti.available_devices()`), a list of device ids, or None
+            for all of them.
+        devices: Explicit TensorFlow device names instead of `gpus`, e.g.
+            `["/gpu:0", "/gpu:2"]`.
+        cpu_merge: Merge the replicas' outputs (and sum their gradients) on
+            `/cpu:0`. With False, merging happens on the first device.
+        cpu_relocation: Move the model's variables to host memory (`/cpu:0`),
+            as Keras 2's `multi_gpu_model` did, e.g. when they do not fit on
+            one device.
+
+    Returns:
+        A `ParallelModel`, a `keras.Model` with the template's inputs, outputs
+        and output names.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        ValueError: If the model is not built, holds a stateful RNN, or the
+            devices requested do not exist (a `DeviceError`, listing the
+            available devices).
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras, numpy as np
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="adam", loss="mse")
+    parallel.fit(np.ones((64, 8)), np.ones((64, 3)), batch_size=16, verbose=0)
+    parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
+    ```
+    """
+    if isinstance(model, ParallelModel):
+        model = model._template
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "parallelize() expects a keras.Model to replicate (Sequential, "
+            "functional or subclassed); wrap a single layer in "
+            f"keras.Sequential first. Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            f"parallelize() needs a built model, but '{model.name}' has no "
+            "weights yet, so there is nothing to share between replicas. Call "
+            "model.build(input_shape) or call the model on one batch first. "
+            f"Received: model={model.name!r} with built=False"
+        )
+    _refuse_unsplittable(model)
+    replica_devices = _devices.resolve_devices(gpus, devices)
+    if cpu_relocation:
+        _relocate_to_cpu(model)
+    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
+    return ParallelModel(model, replica_devices, merge_device)
+
+
+def unwrap(model: keras.Model) -> keras.Model:
+    """Returns the template model behind a parallel model.
+
+    Args:
+        model: A model returned by `parallelize`, or any `keras.Model` (which
+            is returned as it is).
+
+    Returns:
+        The template `keras.Model`, whose weights the parallel model trains.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    assert kerasmulti.unwrap(kerasmulti.parallelize(model)) is model
+    ```
+    """
+    if isinstance(model, ParallelModel):
+        return model._template
+    if isinstance(model, keras.Model):
+        return model
+    raise TypeError(
+        "unwrap() expects a keras.Model or a model returned by "
+        f"kerasmulti.parallelize(). Received: model={type(model).__name__}"
+    )

@@ -1,0 +1,217 @@
+"""Running one function per replica device, and synchronised BatchNormalization.
+
+Replicas are traced one after another on the calling thread, each under its
+own `tf.device` scope; TensorFlow's executor then runs the independent replica
+graphs concurrently. A training step of a model with BatchNormalization is the
+exception: each BatchNormalization layer must normalise with the statistics of
+the *whole* batch, as one device would, so every replica needs the others'
+statistics in the middle of its forward pass. Such steps trace each replica on
+its own thread (as `tf.distribute.MirroredStrategy` does, one thread tracing
+at a time); the threads meet at
+every BatchNormalization call, sum per channel their row counts and sums (for
+the mean), then their squared deviations from it (for the variance), exactly
+as one device would compute them. The sums are differentiable all-reduces, so
+gradients flowing through the statistics reach every replica. Only replica 0 updates the moving statistics, once per step.
+The cost is two small all-reduces per BatchNormalization layer forward and two backward per step, and a
+synchronisation point at each: replicas wait for the slowest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import tensorflow as tf
+from keras import layers, ops
+from keras.src import backend
+
+_local = threading.local()
+
+# Generous: tracing a large model on a busy machine can take minutes, but a
+# replica that never arrives must end in an error, not a hang.
+RENDEZVOUS_TIMEOUT_S = 600
+
+
+def replica_id() -> int:
+    """The replica being traced on this thread (0 outside replicas)."""
+    return getattr(_local, "replica", 0)
+
+
+class _Rendezvous:
+    """Lets n replica threads swap one value each, as often as they need.
+
+    Building a graph is not thread-safe (name scopes, captures, op
+    registration), so, as in MirroredStrategy, only one replica thread runs at
+    a time: it holds `turn` while it traces and hands it over only while it
+    waits for the others at `all_gather`.
+    """
+
+    def __init__(self, n: int):
+        self._slots = [None] * n
+        self._barrier = threading.Barrier(n, timeout=RENDEZVOUS_TIMEOUT_S)
+        self.turn = threading.Lock()
+
+    def all_gather(self, value):
+        self._slots[replica_id()] = value
+        self._wait()
+        gathered = list(self._slots)
+        self._wait()  # nobody overwrites a slot before all have read
+        return gathered
+
+    def _wait(self):
+        self.turn.release()
+        try:
+            self._barrier.wait()
+        finally:
+            self.turn.acquire()
+
+    def abort(self):
+        self._barrier.abort()
+
+
+def _run_one(i: int, device: str, fn: Callable, sync):
+    _local.replica, _local.sync = i, sync
+    try:
+        with tf.device(device), tf.name_scope(f"replica_{i}"):
+            return fn(i)
+    finally:
+        _local.replica, _local.sync = 0, None
+
+
+def run(
+    devices: list[str], fn: Callable, synchronized: bool = False, variables=()
+) -> list:
+    """Calls `fn(i)` under `tf.device(devices[i])` for every replica i.
+
+    With `synchronized=True` the replicas are traced on parallel threads that
+    can meet in `_Rendezvous.all_gather` (used by BatchNormalization). The
+    `variables` they read are captured into the graph beforehand: a function
+    graph's capture bookkeeping is not thread-safe, and two threads capturing
+    one variable at once leave an unfed placeholder behind.
+    """
+    if not synchronized or len(devices) == 1:
+        return [_run_one(i, d, fn, None) for i, d in enumerate(devices)]
+    rendezvous = _Rendezvous(len(devices))
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if graph is not None and hasattr(graph, "capture"):
+        for variable in variables:
+            graph.capture(variable.value.handle)
+    results, errors = [None] * len(devices), [None] * len(devices)
+
+    def target(i):
+        try:
+            scope = graph.as_default() if graph is not None else contextlib.nullcontext()
+            with rendezvous.turn, scope:
+                results[i] = _run_one(i, devices[i], fn, rendezvous)
+        except BaseException as error:  # re-raised on the calling thread
+            errors[i] = error
+            rendezvous.abort()
+
+    threads = [
+        threading.Thread(target=target, args=(i,), name=f"kerasmulti-replica-{i}")
+        for i in range(len(devices))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)), None)
+    if first is not None or any(errors):
+        raise first or next(e for e in errors if e)
+    return results
+
+
+def batchnorm_layers(model) -> list:
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, layers.BatchNormalization)
+    ]
+
+
+def _synchronized_call(layer, original):
+    """A BatchNormalization `call` that normalises with whole-batch statistics."""
+
+    def call(inputs, training=None, mask=None):
+        rendezvous = getattr(_local, "sync", None)
+        if rendezvous is None or not (training and layer.trainable):
+            return original(inputs, training=training, mask=mask)
+        x = ops.cast(inputs, backend.result_type(inputs.dtype, "float32"))
+        axes = layer._reduction_axes
+        valid = ops.cast(_local.valid, x.dtype)
+        if mask is None:
+            w = ops.ones_like(x)
+        else:
+            w = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), x.dtype)
+        totals = _all_reduce_sum(
+            rendezvous,
+            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(w * x, axes)]) * valid,
+        )
+        count = totals[0]
+        global_mean = totals[1] / count
+        deviations = ops.sum(w * ops.square(x - _expand(global_mean, x, axes)), axes)
+        variance = _all_reduce_sum(rendezvous, deviations * valid) / count
+        if replica_id() == 0:
+            momentum = layer.momentum
+            layer.moving_mean.assign(
+                ops.cast(layer.moving_mean, x.dtype) * momentum
+                + global_mean * (1.0 - momentum)
+            )
+            layer.moving_variance.assign(
+                ops.cast(layer.moving_variance, x.dtype) * momentum
+                + variance * (1.0 - momentum)
+            )
+        outputs = ops.batch_normalization(
+            x=x,
+            mean=global_mean,
+            variance=variance,
+            axis=layer.axis,
+            offset=ops.cast(layer.beta, x.dtype) if layer.center else None,
+            scale=ops.cast(layer.gamma, x.dtype) if layer.scale else None,
+            epsilon=layer.epsilon,
+        )
+        return ops.cast(outputs, layer.compute_dtype)
+
+    return call
+
+
+def _all_reduce_sum(rendezvous, value):
+    """Sum over replicas, differentiable: its gradient is the sum of upstreams.
+
+    Replica j's loss depends on replica i's activations through the shared
+    statistics; summing the upstream gradients carries those cross terms back
+    to every replica, as `tf.distribute`'s all-reduce does.
+    """
+
+    @tf.custom_gradient
+    def reduce(local):
+        def grad(upstream):
+            return tf.add_n(rendezvous.all_gather(upstream))
+
+        return tf.add_n(rendezvous.all_gather(local)), grad
+
+    return reduce(value)
+
+
+def _expand(stat, x, axes):
+    for axis in sorted(a % len(x.shape) for a in axes):
+        stat = ops.expand_dims(stat, axis)
+    return stat
+
+
+@contextlib.contextmanager
+def synchronized_batchnorm(bn_layers: list):
+    """Makes `bn_layers` use whole-batch statistics inside `run(..., synchronized=True)`."""
+    for layer in bn_layers:
+        layer.call = _synchronized_call(layer, type(layer).call.__get__(layer))
+    try:
+        yield
+    finally:
+        for layer in bn_layers:
+            del layer.call
+
+
+def set_valid(size) -> None:
+    """Records whether this replica's rows count (1) or are borrowed (0)."""
+    _local.valid = tf.cast(size > 0, tf.float32) if not isinstance(size, int) else float(size > 0)

@@ -1,0 +1,121 @@
+"""Splitting a batch into per-replica shards and merging their outputs.
+
+A batch of B rows over n devices becomes min(n, B) shards whose sizes differ by
+at most one, in order. When B is known while tracing (eager calls, the first
+compiled step), idle replicas are simply not run. When B is only known at run
+time (a compiled step retraced for a smaller last batch), every replica is
+traced; a replica whose shard is empty computes on one borrowed row and gets
+weight zero, so no device ever sees an empty tensor and nothing it computes
+reaches the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+from keras import tree
+
+
+class Shard(NamedTuple):
+    begin: Any  # first row taken (int or scalar tensor)
+    take: Any  # rows taken, >= 1
+    size: Any  # rows that count; 0 for an idle replica
+
+
+def _first_dims(structure) -> list:
+    dims = []
+    for t in tree.flatten(structure):
+        if t is None:
+            continue
+        if len(t.shape) == 0:
+            raise ValueError(
+                "Every input of a parallel model needs a batch axis (axis 0) to "
+                "split across devices, but one input is a scalar. Give it a "
+                f"leading batch dimension. Received: input with shape {t.shape}"
+            )
+        dims.append(t.shape[0])
+    return dims
+
+
+def batch_size(structure, what: str = "inputs"):
+    """The batch size of a nested structure: an int when static, else a tensor.
+
+    Raises ValueError when the inputs' batch sizes disagree.
+    """
+    flat = [t for t in tree.flatten(structure) if t is not None]
+    if not flat:
+        raise ValueError(
+            f"A parallel model needs at least one input tensor to split. "
+            f"Received: {what}={structure!r}"
+        )
+    dims = _first_dims(structure)
+    static = {d for d in dims if d is not None}
+    if len(static) > 1:
+        raise ValueError(
+            f"All {what} of a parallel model must have the same batch size "
+            "(axis 0), because every replica takes the same rows of each. Make "
+            f"them equal. Received: batch sizes {dims}"
+        )
+    if static and None not in dims:
+        return static.pop()
+    sizes = [tf.shape(t)[0] for t in flat]
+    for other in sizes[1:]:
+        tf.debugging.assert_equal(
+            sizes[0],
+            other,
+            message=f"All {what} of a parallel model must have the same batch "
+            "size (axis 0). Received: different batch sizes",
+        )
+    return sizes[0]
+
+
+def plan(batch, replicas: int) -> list[Shard]:
+    """Shards for `batch` rows over at most `replicas` devices."""
+    if isinstance(batch, int):
+        used = max(1, min(replicas, batch))
+        base, extra = divmod(batch, used)
+        shards, begin = [], 0
+        for i in range(used):
+            size = base + (1 if i < extra else 0)
+            shards.append(Shard(begin, size, size))
+            begin += size
+        return shards
+    base, extra = batch // replicas, batch % replicas
+    shards = []
+    for i in range(replicas):
+        size = base + tf.cast(i < extra, batch.dtype)
+        begin = i * base + tf.minimum(i, extra)
+        shards.append(
+            Shard(tf.where(size > 0, begin, 0), tf.maximum(size, 1), size)
+        )
+    return shards
+
+
+def take(structure, shard: Shard):
+    """The rows of `shard` from every tensor in `structure`."""
+    if structure is None:
+        return None
+    return tree.map_structure(
+        lambda t: None if t is None else t[shard.begin : shard.begin + shard.take],
+        structure,
+    )
+
+
+def weights(shards: list[Shard], batch) -> list:
+    """Each shard's share of the batch, as float32 scalars summing to 1."""
+    total = tf.cast(batch, tf.float32)
+    return [tf.cast(s.size, tf.float32) / total for s in shards]
+
+
+def merge(outputs: list, shards: list[Shard]):
+    """Concatenates replica outputs in order, dropping borrowed rows."""
+    if len(outputs) == 1:
+        return outputs[0]
+    trimmed = [
+        tree.map_structure(lambda t, s=s: t[: s.size], out)
+        if not isinstance(s.size, int)
+        else out
+        for out, s in zip(outputs, shards)
+    ]
+    return tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *trimmed)

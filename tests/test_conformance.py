@@ -1,0 +1,131 @@
+"""Parallel results equal the template's on one device, for every model kind.
+
+Batch sizes 1, n-1, n and a remainder (10 samples in batches of 4 over 3
+devices) cover idle replicas, uneven shards and the retraced last batch.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from cases import CASES, assert_same_logs, assert_same_weights
+from conftest import DEVICES
+
+BATCH_SIZES = [1, DEVICES - 1, DEVICES, 4]
+SAMPLES = 10
+
+
+def _setup(case, seed=7):
+    reference, template = case.pair(seed)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    rng = np.random.default_rng()  # fresh data on every run
+    x, y = case.data(rng, SAMPLES)
+    return reference, template, parallel, x, y
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_predict_matches_template(case, batch_size):
+    reference, template, parallel, x, _ = _setup(case)
+    expected = reference.predict(x, batch_size=batch_size, verbose=0)
+    got = parallel.predict(x, batch_size=batch_size, verbose=0)
+    for e, g in zip(keras.tree.flatten(expected), keras.tree.flatten(got)):
+        assert g.shape == e.shape
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    assert keras.tree.lists_to_tuples(keras.tree.map_structure(np.shape, got)) == keras.tree.lists_to_tuples(
+        keras.tree.map_structure(np.shape, expected)
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_fit_and_evaluate_match_template(case, batch_size):
+    reference, template, parallel, x, y = _setup(case)
+    reference.compile(**case.compile_kwargs())
+    parallel.compile(**case.compile_kwargs())
+    fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **fit).history
+    got = parallel.fit(x, y, **fit).history
+    assert_same_logs(expected, got)
+    assert_same_weights(reference, template)
+    changed = any(
+        not np.allclose(np.asarray(w), np.asarray(w0))
+        for w, w0 in zip(template.weights, case.pair()[1].weights)
+    )
+    assert changed, "training did not move the template's weights"
+    evaluated = parallel.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True)
+    assert_same_logs(reference.evaluate(x, y, batch_size=batch_size, verbose=0, return_dict=True), evaluated)
+
+
+def _compiled_pair(case, seed=3):
+    reference, template, parallel, x, y = _setup(case, seed)
+    reference.compile(**case.compile_kwargs())
+    parallel.compile(**case.compile_kwargs())
+    return reference, template, parallel, x, y
+
+
+def test_sample_weight_is_honoured():
+    reference, template, parallel, x, y = _compiled_pair(CASES[0])
+    weights = np.random.default_rng().uniform(0, 2, size=len(x)).astype("float32")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+    # The weights must matter, or this test proves nothing.
+    unweighted, _ = CASES[0].pair(3)
+    unweighted.compile(**CASES[0].compile_kwargs())
+    unweighted.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert not np.allclose(np.asarray(unweighted.weights[0]), np.asarray(template.weights[0]))
+
+
+def test_class_weight_is_honoured():
+    reference, template, parallel, x, y = _compiled_pair(CASES[0])
+    class_weight = {0: 0.3, 1: 2.0}
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, class_weight=class_weight)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+
+
+def test_per_output_losses_are_reported_like_one_device():
+    case = CASES[1]
+    reference, _, parallel, x, y = _compiled_pair(case)
+    got = parallel.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    expected = reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+    assert {"cls_loss", "reg_loss"} <= set(got)
+    assert_same_logs(expected, got)
+
+
+def test_dropout_still_trains_and_predicts_like_template():
+    keras.utils.set_random_seed(1)
+    template = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dropout(0.5), keras.layers.Dense(1)]
+    )
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    rng = np.random.default_rng()
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = x[:, :1] * 2.0
+    parallel.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    history = parallel.fit(x, y, batch_size=16, epochs=15, verbose=0).history["loss"]
+    assert history[-1] < 0.5 * history[0]
+    np.testing.assert_allclose(parallel.predict(x, verbose=0), template.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    # Dropout is active in training: two training-mode calls differ.
+    a = np.asarray(parallel(x, training=True))
+    b = np.asarray(parallel(x, training=True))
+    assert not np.allclose(a, b)
+
+
+def test_template_and_parallel_share_weights():
+    reference, template, parallel, x, y = _compiled_pair(CASES[0])
+    assert [id(w) for w in parallel.weights] == [id(w) for w in template.weights]
+    template.layers[0].kernel.assign(np.zeros(template.layers[0].kernel.shape))
+    np.testing.assert_allclose(parallel.predict(x, verbose=0), template.predict(x, verbose=0))
+
+
+def test_plain_call_inside_tf_function_matches():
+    import tensorflow as tf
+
+    reference, template, parallel, x, _ = _setup(CASES[1])
+    got = tf.function(lambda a, b: parallel([a, b]))(*x)
+    expected = reference(x)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
