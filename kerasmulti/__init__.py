@@ -11,6 +11,9 @@ Public API (everything else is private):
 import os as _os
 
 _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the CLI's output;
+# warnings and errors still show. A value the user set wins.
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from kerasmulti._devices import DeviceError  # noqa: E402
 from kerasmulti._devices import available_devices  # noqa: E402

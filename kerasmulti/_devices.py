@@ -19,7 +19,22 @@ ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
 
 
 class DeviceError(ValueError):
-    """A device request that this machine cannot satisfy."""
+    """A device request that this machine cannot satisfy.
+
+    A `ValueError`, so `except ValueError` keeps working. Its message lists
+    the devices that exist and ends with `Received: ...`.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    try:
+        kerasmulti.parallelize(model, gpus=64)
+    except kerasmulti.DeviceError as error:
+        print(error)
+    ```
+    """
 
 
 def _canonical(name: str) -> str:

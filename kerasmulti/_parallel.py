@@ -30,7 +30,21 @@ from kerasmulti import _devices, _replicas, _split
 
 
 class ParallelModel(keras.Model):
-    """A data-parallel view of a template model; build it with `parallelize`."""
+    """A data-parallel view of a template model; build it with `parallelize`.
+
+    It is a `keras.Model`: compile, fit, evaluate, predict and call it as the
+    template. It owns no weights (they are the template's), and `save`,
+    `save_weights` and `load_weights` act on the template.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    parallel = kerasmulti.parallelize(model)
+    print(parallel.replica_devices)
+    ```
+    """
 
     def __init__(self, template, devices, merge_device, **kwargs):
         super().__init__(name=f"parallel_{template.name}", **kwargs)

@@ -1,0 +1,72 @@
+"""The `kerasmulti` command: `kerasmulti demo`, `kerasmulti devices`.
+
+Device simulation has to happen before TensorFlow initialises its devices, so
+the command simulates devices (without GPUs) before anything else runs. Errors a user can fix are printed as one message with a
+non-zero exit, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_SIMULATED = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kerasmulti",
+        description="Train and run existing Keras 3 models on several devices.",
+    )
+    parser.add_argument(
+        "--simulate",
+        type=int,
+        metavar="N",
+        help="without GPUs, split the CPU into N logical devices "
+        f"(default {DEFAULT_SIMULATED}, or $KERASMULTI_SIMULATE_DEVICES)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train a convnet on the digits data set, data-parallel")
+    demo.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    demo.add_argument("--epochs", type=int, default=5)
+    demo.add_argument("--batch-size", type=int, default=128)
+    demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
+    commands.add_parser("devices", help="list the devices replicas can use")
+    return parser
+
+
+def _simulate_without_gpus(requested: int | None) -> None:
+    import tensorflow as tf
+
+    import kerasmulti
+
+    if requested is None:
+        if tf.config.list_physical_devices("GPU"):
+            return
+        requested = int(os.environ.get(kerasmulti._devices.ENV_SIMULATE) or DEFAULT_SIMULATED)
+    kerasmulti.simulate_devices(requested)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _simulate_without_gpus(args.simulate)
+        import kerasmulti
+
+        if args.command == "devices":
+            for device in kerasmulti.available_devices():
+                print(device)
+            return 0
+        from kerasmulti import _demo
+
+        return _demo.run(
+            gpus=args.gpus, epochs=args.epochs, batch_size=args.batch_size, output=args.output
+        )
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"kerasmulti: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

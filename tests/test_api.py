@@ -1,0 +1,26 @@
+"""The public API is frozen and documented."""
+
+import inspect
+
+import kerasmulti
+
+PUBLIC = [
+    "DeviceError",
+    "ParallelModel",
+    "available_devices",
+    "parallelize",
+    "simulate_devices",
+    "unwrap",
+]
+
+
+def test_all_is_frozen():
+    assert sorted(kerasmulti.__all__) == sorted(PUBLIC)
+
+
+def test_every_public_name_has_a_docstring_with_an_example():
+    for name in PUBLIC:
+        obj = getattr(kerasmulti, name)
+        doc = inspect.getdoc(obj) or ""
+        assert doc, f"{name} has no docstring"
+        assert "Example:" in doc, f"{name}'s docstring has no Example"

@@ -1,0 +1,72 @@
+"""BatchNormalization: whole-batch statistics, moving averages updated once per step."""
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from conftest import DEVICES
+
+
+def _bn_model(momentum=0.5):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((1,)), keras.layers.BatchNormalization(momentum=momentum)])
+
+
+@pytest.mark.parametrize("gpus", [2, DEVICES])
+def test_moving_statistics_equal_one_device_on_the_whole_batch(gpus):
+    # FINDINGS: a naive wrapper updates once per replica and gets 5.0 here.
+    x = np.array([[0.0], [0.0], [10.0], [10.0]], "float32")
+    reference, template = _bn_model(), _bn_model()
+    expected = reference(x, training=True)
+    got = kerasmulti.parallelize(template, gpus=gpus)(x, training=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5)
+    bn, ref_bn = template.layers[0], reference.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), [2.5])
+    np.testing.assert_allclose(bn.moving_mean.numpy(), ref_bn.moving_mean.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), ref_bn.moving_variance.numpy(), rtol=1e-5)
+
+
+def test_fit_updates_moving_statistics_once_per_step():
+    rng = np.random.default_rng()
+    x = rng.normal(loc=3.0, scale=2.0, size=(12, 1)).astype("float32")
+    y = rng.normal(size=(12, 1)).astype("float32")
+    reference, template = _bn_model(0.9), _bn_model(0.9)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for m in (reference, parallel):
+        m.compile(optimizer="sgd", loss="mse")
+        m.fit(x, y, batch_size=5, epochs=3, shuffle=False, verbose=0)  # 3 steps per epoch, last one of 2 rows
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+def test_inference_uses_moving_statistics_without_updating_them():
+    template = _bn_model()
+    bn = template.layers[0]
+    bn.moving_mean.assign([4.0])
+    x = np.arange(6, dtype="float32").reshape(6, 1)
+    out = kerasmulti.parallelize(template, gpus=DEVICES).predict(x, batch_size=6, verbose=0)
+    np.testing.assert_allclose(out, template.predict(x, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), [4.0])
+
+
+def test_a_replica_that_fails_while_synchronised_raises_instead_of_hanging():
+    template = _bn_model()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("replica exploded")
+        return type(template.layers[0]).call(template.layers[0], *args, **kwargs)
+
+    from kerasmulti import _replicas
+
+    original = _replicas._synchronized_call
+    _replicas._synchronized_call = lambda layer, call: lambda *a, **k: (failing(*a, **k), original(layer, call)(*a, **k))[1]
+    try:
+        with pytest.raises(RuntimeError, match="replica exploded"):
+            parallel(np.ones((6, 1), "float32"), training=True)
+    finally:
+        _replicas._synchronized_call = original

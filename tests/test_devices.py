@@ -1,0 +1,129 @@
+"""Device listing, simulation and every refusal of a bad device request."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from conftest import DEVICES
+
+CPUS = [f"/device:CPU:{i}" for i in range(DEVICES)]
+
+
+def _model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_available_devices_are_the_simulated_cpus():
+    assert kerasmulti.available_devices() == CPUS
+
+
+def test_simulate_devices_again_with_same_count_is_harmless():
+    assert kerasmulti.simulate_devices(DEVICES) == CPUS
+
+
+def test_simulate_devices_after_start_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"came too late.*KERASMULTI_SIMULATE_DEVICES=5.*Received: n=5"):
+        kerasmulti.simulate_devices(5)
+
+
+@pytest.mark.parametrize("n", [0, -2, 1.5, "2", True])
+def test_simulate_devices_rejects_non_positive_int(n):
+    with pytest.raises(ValueError, match=f"Received: n={n!r}"):
+        kerasmulti.simulate_devices(n)
+
+
+def _run_python(code, **env):
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+def test_environment_variable_simulates_devices():
+    result = _run_python("import kerasmulti; print(len(kerasmulti.available_devices()))", KERASMULTI_SIMULATE_DEVICES="4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "4"
+
+
+def test_bad_environment_variable_is_refused():
+    result = _run_python("import kerasmulti", KERASMULTI_SIMULATE_DEVICES="two")
+    assert result.returncode != 0
+    assert "Received: KERASMULTI_SIMULATE_DEVICES='two'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "gpus, expected",
+    [(None, CPUS), (2, CPUS[:2]), ([2, 0], [CPUS[2], CPUS[0]]), ((1,), [CPUS[1]])],
+)
+def test_gpus_selects_devices(gpus, expected):
+    assert kerasmulti.parallelize(_model(), gpus=gpus).replica_devices == expected
+
+
+def test_devices_takes_tensorflow_names():
+    parallel = kerasmulti.parallelize(_model(), devices=["/cpu:2", "/CPU:1"])
+    assert parallel.replica_devices == [CPUS[2], CPUS[1]]
+
+
+@pytest.mark.parametrize(
+    "gpus, message",
+    [
+        (0, r"at least one device.*Received: gpus=0"),
+        (-1, r"at least one device.*Received: gpus=-1"),
+        (1.5, r"positive int.*Received: gpus=1.5"),
+        ("2", r"positive int.*Received: gpus='2'"),
+        (True, r"positive int.*Received: gpus=True"),
+        (4, r"asked for 4 devices but this machine has 3 \(/device:CPU:0, /device:CPU:1, /device:CPU:2\).*simulate_devices\(4\).*Received: gpus=4"),
+        ([0, 0], r"same device id twice.*Received: gpus=\[0, 0\]"),
+        ([0, 5], r"id\(s\) \[5\] that do not exist.*ids 0 to 2.*Received: gpus=\[0, 5\]"),
+        ([], r"non-empty list.*Received: gpus=\[\]"),
+        ([0, "1"], r"non-empty list of int.*Received: gpus=\[0, '1'\]"),
+    ],
+)
+def test_bad_gpus_are_refused(gpus, message):
+    with pytest.raises(kerasmulti.DeviceError, match=message):
+        kerasmulti.parallelize(_model(), gpus=gpus)
+
+
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        (["/gpu:0"], r"does not exist.*Known devices: /device:CPU:0.*Received: devices=\['/gpu:0'\]"),
+        (["/cpu:1", "/device:CPU:1"], r"same device twice.*Received: devices="),
+        ("/cpu:0", r"non-empty list.*Received: devices='/cpu:0'"),
+        ([], r"non-empty list.*Received: devices=\[\]"),
+        (["not a device"], r"does not exist.*Received: devices=\['not a device'\]"),
+    ],
+)
+def test_bad_devices_are_refused(devices, message):
+    with pytest.raises(kerasmulti.DeviceError, match=message):
+        kerasmulti.parallelize(_model(), devices=devices)
+
+
+def test_gpus_and_devices_together_are_refused():
+    with pytest.raises(kerasmulti.DeviceError, match=r"either gpus= or devices=.*Received: gpus=2, devices=\['/cpu:0'\]"):
+        kerasmulti.parallelize(_model(), gpus=2, devices=["/cpu:0"])
+
+
+def test_device_error_is_a_value_error():
+    assert issubclass(kerasmulti.DeviceError, ValueError)
+
+
+def test_one_device_is_a_working_pass_through():
+    keras.utils.set_random_seed(0)
+    reference = _model()
+    keras.utils.set_random_seed(0)
+    template = _model()
+    parallel = kerasmulti.parallelize(template, gpus=1)
+    x = np.random.default_rng().normal(size=(9, 3)).astype("float32")
+    y = np.random.default_rng().normal(size=(9, 2)).astype("float32")
+    for m in (reference, parallel):
+        m.compile(optimizer="sgd", loss="mse")
+    np.testing.assert_allclose(
+        reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"],
+        parallel.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(reference.predict(x, verbose=0), parallel.predict(x, verbose=0), rtol=1e-6)

@@ -1,0 +1,106 @@
+"""Saving a parallel model saves the template, loadable without kerasmulti."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from conftest import DEVICES
+
+LOAD_WITHOUT_KERASMULTI = """
+import sys, numpy as np, keras
+model = keras.models.load_model(sys.argv[1])
+assert "kerasmulti" not in sys.modules, "kerasmulti was imported"
+np.save(sys.argv[3], model.predict(np.load(sys.argv[2]), verbose=0))
+print(model.name, [layer.name for layer in model.layers])
+"""
+
+
+def _trained_parallel():
+    keras.utils.set_random_seed(5)
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Dense(6, activation="relu")(keras.layers.concatenate([a, b]))
+    h = keras.layers.BatchNormalization()(h)
+    model = keras.Model([a, b], keras.layers.Dense(3, name="out")(h), name="template")
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng()
+    x = [rng.normal(size=(20, 4)).astype("float32"), rng.normal(size=(20, 2)).astype("float32")]
+    parallel.fit(x, rng.normal(size=(20, 3)), batch_size=6, epochs=2, verbose=0)
+    return model, parallel, x
+
+
+@pytest.mark.parametrize("suffix", [".keras", ".h5"])
+def test_saved_file_loads_with_plain_keras_in_a_fresh_process(tmp_path, suffix):
+    model, parallel, x = _trained_parallel()
+    path = str(tmp_path / f"model{suffix}")
+    parallel.save(path)
+    np.save(tmp_path / "x.npy", np.concatenate(x, axis=1))
+    # The loader takes the two inputs as one array split by a tiny wrapper.
+    script = LOAD_WITHOUT_KERASMULTI.replace(
+        "model.predict(np.load(sys.argv[2])", "model.predict(np.split(np.load(sys.argv[2]), [4], axis=1)"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND": "tensorflow"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script, path, str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[0] == "template"
+    assert "parallel" not in result.stdout
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_weights_round_trip_through_the_template(tmp_path):
+    model, parallel, x = _trained_parallel()
+    path = str(tmp_path / "w.weights.h5")
+    parallel.save_weights(path)
+    expected = model.predict(x, verbose=0)
+    for w in model.weights:
+        w.assign(np.zeros(w.shape))
+    assert not np.allclose(model.predict(x, verbose=0), expected)
+    parallel.load_weights(path)
+    np.testing.assert_allclose(parallel.predict(x, verbose=0), expected, rtol=1e-6)
+    fresh = keras.models.clone_model(model)
+    fresh.load_weights(path)  # a plain model reads the file: no wrapper inside
+    np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, rtol=1e-6)
+
+
+def test_model_checkpoint_callback_saves_the_template(tmp_path):
+    model, parallel, x = _trained_parallel()
+    path = str(tmp_path / "ckpt.keras")
+    y = np.zeros((20, 3))
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(path)])
+    loaded = keras.models.load_model(path)
+    assert loaded.name == "template"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_relocation_moves_variables_to_host_and_still_matches(tmp_path):
+    import tensorflow as tf
+
+    def build():
+        keras.utils.set_random_seed(2)
+        with tf.device("/cpu:2"):
+            return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+
+    reference, template = build(), build()
+    assert all(w.value.device.endswith("CPU:2") for w in template.weights)
+    parallel = kerasmulti.parallelize(template, gpus=2, cpu_relocation=True)
+    assert all(w.value.device.endswith("CPU:0") for w in template.weights)
+    x = np.random.default_rng().normal(size=(7, 3)).astype("float32")
+    y = np.random.default_rng().normal(size=(7, 1)).astype("float32")
+    for m in (reference, parallel):
+        m.compile(optimizer="sgd", loss="mse")
+    np.testing.assert_allclose(
+        reference.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0).history["loss"],
+        parallel.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0).history["loss"],
+        rtol=1e-5,
+    )
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
