@@ -5,6 +5,8 @@ Public API (everything else is private):
 - `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
+- `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
+- `ParallelBackupAndRestore`: `BackupAndRestore` that resumes a parallel model exactly.
 - `DeviceError`: a device request this machine cannot satisfy (a ValueError).
 """
 
@@ -25,12 +27,16 @@ _simulate_from_environment()
 from kerasmulti._parallel import ParallelModel  # noqa: E402
 from kerasmulti._parallel import parallelize  # noqa: E402
 from kerasmulti._parallel import unwrap  # noqa: E402
+from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
+from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceError",
+    "ParallelBackupAndRestore",
     "ParallelModel",
+    "ParallelModelCheckpoint",
     "available_devices",
     "parallelize",
     "simulate_devices",

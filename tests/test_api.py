@@ -6,7 +6,9 @@ import kerasmulti
 
 PUBLIC = [
     "DeviceError",
+    "ParallelBackupAndRestore",
     "ParallelModel",
+    "ParallelModelCheckpoint",
     "available_devices",
     "parallelize",
     "simulate_devices",

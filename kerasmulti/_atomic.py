@@ -1,0 +1,86 @@
+"""Writing files so that a killed process leaves the old file or the new one.
+
+The file is written under a temporary name beside the target (same folder, so
+the same file system), flushed to disk, and renamed over the target with
+`os.replace`, which POSIX and Windows make atomic. A process killed before the
+rename leaves only a temporary behind; `remove_stale_temporaries` clears those
+whose writer is gone.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+
+_MARK = ".kerasmulti-tmp-"
+
+
+def _suffix(path: str) -> str:
+    # Keras picks the format from the name: keep every suffix it looks at.
+    for suffix in (".weights.h5", ".keras", ".h5", ".json"):
+        if path.endswith(suffix):
+            return suffix
+    return os.path.splitext(path)[1]
+
+
+def temporary_path(target: str) -> str:
+    folder, name = os.path.split(os.path.abspath(target))
+    suffix = _suffix(name)
+    return os.path.join(folder, f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(target: str, save) -> None:
+    """Calls `save(temporary_path)`, then moves the result onto `target`.
+
+    If `save` raises, the temporary is removed and `target` is untouched.
+    """
+    temporary = temporary_path(target)
+    try:
+        save(temporary)
+        _fsync(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    try:
+        _fsync(os.path.dirname(os.path.abspath(target)))
+    except OSError:  # some file systems cannot sync a folder; the rename stands
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: str) -> list[str]:
+    """Deletes temporaries of `target` left by processes that no longer run."""
+    folder = os.path.dirname(os.path.abspath(target))
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(folder), f".*{_MARK}*")):
+        try:
+            pid = int(os.path.basename(path).split(_MARK, 1)[1].split("-", 1)[0])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            try:
+                os.remove(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed

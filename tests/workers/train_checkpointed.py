@@ -1,0 +1,51 @@
+"""A training job for the kill and resume tests, run as a separate process.
+
+    python train_checkpointed.py FOLDER EPOCHS [--backup] [--out weights.npz]
+
+Trains a seeded model data-parallel on 2 simulated devices with a
+ParallelModelCheckpoint saving FOLDER/ckpt.keras after every batch and, with
+--backup, a ParallelBackupAndRestore in FOLDER/backup. Prints one line per
+epoch so the parent knows how far it got.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import kerasmulti  # noqa: E402
+
+kerasmulti.simulate_devices(2)
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("folder")
+parser.add_argument("epochs", type=int)
+parser.add_argument("--backup", action="store_true")
+parser.add_argument("--out")
+args = parser.parse_args()
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential(
+    [keras.Input((16,)), keras.layers.Dense(256, activation="relu"), keras.layers.Dense(256), keras.layers.Dense(4)]
+)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 16)).astype("float32")
+y = rng.normal(size=(96, 4)).astype("float32")
+parallel = kerasmulti.parallelize(model, gpus=2)
+parallel.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+callbacks = [kerasmulti.ParallelModelCheckpoint(os.path.join(args.folder, "ckpt.keras"), save_freq=1)]
+if args.backup:
+    callbacks.append(kerasmulti.ParallelBackupAndRestore(os.path.join(args.folder, "backup")))
+callbacks.append(
+    keras.callbacks.LambdaCallback(
+        on_train_begin=lambda logs: print("training", flush=True),
+        on_epoch_end=lambda epoch, logs: print(f"epoch {epoch + 1} done", flush=True),
+    )
+)
+parallel.fit(x, y, batch_size=16, epochs=args.epochs, shuffle=False, verbose=0, callbacks=callbacks)
+if args.out:
+    np.savez(args.out, *[np.asarray(w) for w in model.weights])
+print("finished", flush=True)
+sys.exit(0)
