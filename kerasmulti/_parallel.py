@@ -56,6 +56,27 @@ class ParallelModel(keras.Model):
             self.output_names = template.output_names
         self.built = True
 
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """Configures training as `keras.Model.compile`.
+
+        XLA compiles a step for one device, which would undo the placement of
+        the replicas, so `jit_compile` stays off with several devices.
+        """
+        if jit_compile is True and len(self._replica_devices) > 1:
+            raise ValueError(
+                "A parallel model over several devices cannot be compiled with "
+                "XLA: XLA compiles a step for a single device, which would put "
+                f"every replica on one of the {len(self._replica_devices)} "
+                "devices. Leave jit_compile='auto' (off here) or pass False. "
+                "Received: jit_compile=True"
+            )
+        return super().compile(*args, jit_compile=jit_compile, **kwargs)
+
+    def _resolve_auto_jit_compile(self):
+        if len(self._replica_devices) > 1:
+            return False
+        return super()._resolve_auto_jit_compile()
+
     @property
     def replica_devices(self) -> list[str]:
         """The devices replicas run on, in shard order."""
@@ -69,9 +90,11 @@ class ParallelModel(keras.Model):
                 self._replica_devices[:1], lambda i: self._template(inputs, training=training)
             )[0]
 
+        pieces = self._slice(inputs, shards)
+
         def replica(i):
             _replicas.set_valid(shards[i].size)
-            return self._template(_split.take(inputs, shards[i]), training=training)
+            return self._template(pieces[i], training=training)
 
         synchronized = bool(training) and bool(self._batchnorm)
         with self._synchronized(synchronized):
@@ -90,12 +113,11 @@ class ParallelModel(keras.Model):
         trainable = self.trainable_weights
         shares = _split.weights(shards, batch)
 
+        pieces = self._slice((x, y, sample_weight), shards)
+
         def replica(i):
-            shard = shards[i]
-            _replicas.set_valid(shard.size)
-            x_i = _split.take(x, shard)
-            y_i = _split.take(y, shard)
-            sw_i = _split.take(sample_weight, shard)
+            _replicas.set_valid(shards[i].size)
+            x_i, y_i, sw_i = pieces[i]
             with tf.GradientTape() as tape:
                 y_pred = self._template(x_i, training=True)
                 loss = shares[i] * self._compute_loss(
@@ -127,6 +149,12 @@ class ParallelModel(keras.Model):
 
             warnings.warn("The model does not have any trainable weights.")
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _slice(self, structure, shards):
+        # Slice where the batch arrives (the host, for a tf.data pipeline), so
+        # each device receives its own rows, not a copy of the whole batch.
+        with tf.device(self._merge_device):
+            return [_split.take(structure, shard) for shard in shards]
 
     def _devices_for(self, shards):
         return self._replica_devices[: len(shards)]

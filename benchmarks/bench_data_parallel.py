@@ -1,0 +1,354 @@
+"""Throughput of `kerasmulti.parallelize` against one device and MirroredStrategy.
+
+Measures samples/s of `fit` (one epoch) and `predict` for one small CNN in four
+variants, all in one process and on the same devices:
+
+- bare: the plain Keras model on the first device;
+- parallelize(gpus=1): the one-device pass-through wrapper, whose overhead
+  should be negligible;
+- parallelize(gpus=N): the data-parallel wrapper over N devices;
+- MirroredStrategy: `tf.distribute.MirroredStrategy` over the same N devices,
+  the reference a user would otherwise reach for.
+
+Without GPUs the CPU is split into N logical devices (`simulate_devices`) with
+one intra-op thread each and N inter-op threads, so N replicas can keep N
+cores busy: the speed-up shows whether the replicas really run concurrently.
+The bare model is not held to one core, though: its independent ops (the two
+gradients of a convolution, the input pipeline) overlap on the N inter-op
+threads, so its training already uses more than one core. On GPUs the script
+uses the first N GPUs and leaves TensorFlow's threading alone.
+
+Each variant is warmed up first (one epoch and one predict), so tracing is not
+timed. The timed runs are interleaved: every repeat runs each variant once in
+turn, so a burst of load from other processes slows all variants alike instead
+of skewing one of them; the median over repeats is reported. The script prints
+whether the targets are met but always exits 0: a benchmark reports, it does
+not fail.
+
+Usage:
+    python benchmarks/bench_data_parallel.py [--devices 2] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+# Importing these does not initialise TensorFlow's devices; creating a tensor does.
+import keras  # noqa: E402
+import kerasmulti  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+SEED = 1234
+INPUT_SHAPE = (32, 32, 3)
+CLASSES = 10
+
+
+@dataclass
+class Sizes:
+    samples: int
+    batch_size: int
+    repeats: int
+
+
+@dataclass
+class Variant:
+    name: str
+    model: keras.Model | None = None  # compiled; None if setup failed
+    scope: Callable[[], ContextManager] = contextlib.nullcontext  # around fit/predict
+    train: list = field(default_factory=list)  # samples/s per repeat
+    predict: list = field(default_factory=list)
+    error: str | None = None
+
+
+def configure_devices(n: int) -> list[str]:
+    """Picks N replica devices; must run before TensorFlow initialises devices."""
+    if tf.config.list_physical_devices("GPU"):
+        return kerasmulti.available_devices()[:n]
+    # One thread per op and N concurrent ops: the bare model gets one core,
+    # N replicas get N, as N GPUs would give N times the compute. Threading
+    # goes first: simulate_devices() lists the devices it made, which
+    # initialises TensorFlow, after which threading can no longer change.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(n)
+    return kerasmulti.simulate_devices(n)[:n]
+
+
+def build_model() -> keras.Model:
+    # Same seed for every variant, so all start from identical weights.
+    keras.utils.set_random_seed(SEED)
+    return keras.Sequential(
+        [
+            keras.Input(INPUT_SHAPE),
+            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(CLASSES, activation="softmax"),
+        ],
+        name="cnn",
+    )
+
+
+def compile_model(model):
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def make_data(samples: int):
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((samples, *INPUT_SHAPE), dtype=np.float32)
+    y = rng.integers(0, CLASSES, size=(samples,), dtype=np.int32)
+    return x, y
+
+
+def make_variants(devices: list[str], n: int) -> list[Variant]:
+    """Builds every variant; a variant whose setup fails is kept, with its error."""
+
+    def bare():
+        return compile_model(build_model()), lambda: tf.device(devices[0])
+
+    def wrapper(gpus):
+        # Each wrapper gets its own template: wrappers train the template they
+        # share weights with, and the variants must not train each other's.
+        return lambda: (
+            compile_model(kerasmulti.parallelize(build_model(), gpus=gpus)),
+            contextlib.nullcontext,
+        )
+
+    def mirrored():
+        if len(devices) < n:
+            raise kerasmulti.DeviceError(f"{n} devices asked, {len(devices)} available")
+        template = build_model()
+        strategy = tf.distribute.MirroredStrategy(devices=devices)
+        # MirroredStrategy cannot adopt a model built outside its scope
+        # (FINDINGS.md): clone it inside and copy the weights.
+        with strategy.scope():
+            model = keras.models.clone_model(template)
+            model.set_weights(template.get_weights())
+            compile_model(model)
+        return model, contextlib.nullcontext
+
+    builders = [
+        ("bare (1 device)", bare),
+        ("parallelize(gpus=1)", wrapper(1)),
+        (f"parallelize(gpus={n})", wrapper(n)),
+        (f"MirroredStrategy ({n})", mirrored),
+    ]
+    variants = []
+    for name, builder in builders:
+        variant = Variant(name)
+        try:
+            variant.model, variant.scope = builder()
+        except Exception as error:  # reported in the table, never raised
+            _record_failure(variant, error)
+        variants.append(variant)
+    return variants
+
+
+def _record_failure(variant: Variant, error: Exception) -> None:
+    print(f"{variant.name} failed; it is left out from here on:", file=sys.stderr)
+    traceback.print_exc()
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    variant.error = f"{type(error).__name__}: {first_line[:200]}"
+
+
+def time_fit(variant: Variant, x, y, batch_size: int) -> float:
+    with variant.scope():
+        start = time.perf_counter()
+        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+        # Reading the loss waits for the device, so GPU work is not left out.
+        float(history.history["loss"][-1])
+        elapsed = time.perf_counter() - start
+    return len(x) / elapsed
+
+
+def time_predict(variant: Variant, x, batch_size: int) -> float:
+    with variant.scope():
+        start = time.perf_counter()
+        variant.model.predict(x, batch_size=batch_size, verbose=0)
+        elapsed = time.perf_counter() - start
+    return len(x) / elapsed
+
+
+def run_once(variant: Variant, x, y, batch_size: int, record: bool) -> None:
+    """One fit epoch and one predict; a failure disables the variant."""
+    if variant.error:
+        return
+    try:
+        train = time_fit(variant, x, y, batch_size)
+        predict = time_predict(variant, x, batch_size)
+    except Exception as error:  # reported in the table, never raised
+        _record_failure(variant, error)
+        return
+    if record:
+        variant.train.append(train)
+        variant.predict.append(predict)
+
+
+def benchmark(variants: list[Variant], sizes: Sizes) -> None:
+    x, y = make_data(sizes.samples)
+    # Warm-up: tracing and the first-call setup of each variant stay untimed.
+    for variant in variants:
+        run_once(variant, x, y, sizes.batch_size, record=False)
+    load = LoadMeter()
+    for repeat in range(sizes.repeats):
+        # Rotate the starting variant, so none is always first after a pause.
+        start = repeat % len(variants)
+        for variant in variants[start:] + variants[:start]:
+            run_once(variant, x, y, sizes.batch_size, record=True)
+        print(f"  repeat {repeat + 1}/{sizes.repeats} done", flush=True)
+    print(load.report())
+
+
+class LoadMeter:
+    """How much CPU other processes took while we were timing (Linux only).
+
+    The numbers are only as good as the machine is quiet; this says how quiet
+    it was, from /proc/stat (all processes) minus this process's own CPU time.
+    """
+
+    def __init__(self):
+        self._start = (time.perf_counter(), self._machine_busy(), self._own())
+
+    @staticmethod
+    def _machine_busy() -> float | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        times = os.times()
+        return times.user + times.system
+
+    def report(self) -> str:
+        wall0, busy0, own0 = self._start
+        busy1 = self._machine_busy()
+        if busy0 is None or busy1 is None:
+            return "  (CPU load of other processes: unknown on this platform)"
+        wall = time.perf_counter() - wall0
+        others = max(0.0, (busy1 - busy0) - (self._own() - own0)) / wall
+        mine = (self._own() - own0) / wall
+        return (
+            f"  timed runs: {wall:.0f} s; this process used {mine:.2f} cores, "
+            f"other processes {others:.2f} of {os.cpu_count()} cores"
+        )
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value and base else None
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_table(variants: list[Variant]) -> None:
+    bare_train, bare_predict = median(variants[0].train), median(variants[0].predict)
+    header = f"{'variant':<24}{'train/s':>10}{'x bare':>8}{'predict/s':>11}{'x bare':>8}"
+    print(header)
+    print("-" * len(header))
+    for v in variants:
+        train, predict = median(v.train), median(v.predict)
+        print(
+            f"{v.name:<24}{fmt(train, '.0f'):>10}{fmt(ratio(train, bare_train), '.2f'):>8}"
+            f"{fmt(predict, '.0f'):>11}{fmt(ratio(predict, bare_predict), '.2f'):>8}"
+        )
+    print("\nPer-repeat samples/s (train | predict), to judge the noise:")
+    for v in variants:
+        runs = " ".join(f"{t:.0f}" for t in v.train)
+        preds = " ".join(f"{p:.0f}" for p in v.predict)
+        print(f"  {v.name:<24}" + (f"FAILED: {v.error}" if v.error else f"{runs} | {preds}"))
+
+
+def scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def check(label: str, value: float | None, bound: float | None) -> None:
+    if value is None or bound is None:
+        verdict = "not met (a variant failed)"
+    else:
+        verdict = "met" if value >= bound else "not met"
+    print(f"  {label}: {verdict} ({fmt(value, '.0f')} vs {fmt(bound, '.0f')} samples/s)")
+
+
+def print_checks(variants: list[Variant], n: int) -> None:
+    bare, one, many, mirrored = ((median(v.train), median(v.predict)) for v in variants)
+    print("\nTargets:")
+    check(f"{n}-device train >= 1.3x bare", many[0], scaled(bare[0], 1.3))
+    check(f"{n}-device train >= MirroredStrategy", many[0], mirrored[0])
+    check(f"{n}-device predict >= 1.5x bare", many[1], scaled(bare[1], 1.5))
+    check("1-device wrapper train >= 0.97x bare", one[0], scaled(bare[0], 0.97))
+    check("1-device wrapper predict >= 0.97x bare", one[1], scaled(bare[1], 0.97))
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=2, help="replica devices (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--samples", type=int, default=2048, help="samples per epoch")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.devices < 1 or args.repeats < 1:
+        parser.error("--devices and --repeats must be at least 1")
+    if args.quick:
+        args.samples, args.batch_size, args.repeats = 64, 32, 1
+    # MirroredStrategy.fit crashes when the first global batch does not split
+    # evenly across replicas (FINDINGS.md); keep every batch a whole multiple.
+    batch = max(args.devices, args.batch_size - args.batch_size % args.devices)
+    samples = max(batch, args.samples - args.samples % batch)
+    return args, Sizes(samples, batch, args.repeats)
+
+
+def print_setup(devices: list[str], n: int, sizes: Sizes) -> None:
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+          f"kerasmulti {kerasmulti.__version__}")
+    simulated = not tf.config.list_physical_devices("GPU")
+    note = " (logical CPU devices, 1 intra-op thread each)" if simulated else ""
+    print(f"Devices: {', '.join(devices)}{note}")
+    print(f"Data: {sizes.samples} samples of {INPUT_SHAPE}, batch {sizes.batch_size}, "
+          f"{sizes.repeats} repeat(s)\n")
+    if len(devices) < n:
+        print(f"Only {len(devices)} device(s), {n} asked: the multi-device variants will fail.\n")
+
+
+def main(argv=None) -> int:
+    args, sizes = parse_args(argv)
+    devices = configure_devices(args.devices)  # first: before any tensor exists
+    print_setup(devices, args.devices, sizes)
+    variants = make_variants(devices, args.devices)
+    benchmark(variants, sizes)
+    print()
+    print_table(variants)
+    print_checks(variants, args.devices)
+    return 0
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # a benchmark reports problems, it does not fail
+        traceback.print_exc()
+    sys.exit(0)
