@@ -3,6 +3,7 @@
 Public API (everything else is private):
 
 - `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
+- `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -29,6 +30,7 @@ from kerasmulti._parallel import parallelize  # noqa: E402
 from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
+from kerasmulti._inference import parallel_predict  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,7 @@ __all__ = [
     "ParallelModel",
     "ParallelModelCheckpoint",
     "available_devices",
+    "parallel_predict",
     "parallelize",
     "simulate_devices",
     "unwrap",

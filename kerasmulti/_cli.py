@@ -1,4 +1,4 @@
-"""The `kerasmulti` command: `kerasmulti demo`, `kerasmulti devices`.
+"""The `kerasmulti` command: `demo`, `devices`, `predict`.
 
 Device simulation has to happen before TensorFlow initialises its devices, so
 the command simulates devices (without GPUs) before anything else runs. Errors a user can fix are printed as one message with a
@@ -33,6 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=128)
     demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
     commands.add_parser("devices", help="list the devices replicas can use")
+    predict = commands.add_parser(
+        "predict", help="run a saved model over a data set, data-parallel, into an HDF5 file"
+    )
+    predict.add_argument("model", help="a .keras or .h5 model file")
+    predict.add_argument("input", help="an .h5 file (with --dataset), an .npy file, or a folder of images")
+    predict.add_argument("--output", required=True, help="HDF5 file for the results (resumed if it exists)")
+    predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
+    predict.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    predict.add_argument("--batch-size", type=int, default=32)
     return parser
 
 
@@ -58,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             for device in kerasmulti.available_devices():
                 print(device)
             return 0
+        if args.command == "predict":
+            from kerasmulti import _predict_command
+
+            return _predict_command.run(args)
         from kerasmulti import _demo
 
         return _demo.run(

@@ -167,7 +167,21 @@ class ParallelModel(keras.Model):
     # The wrapper is a view: persistence acts on the template.
 
     def save(self, filepath, *args, **kwargs):
-        """Saves the template model (see `keras.Model.save`)."""
+        """Saves the template model (see `keras.Model.save`).
+
+        When the parallel model is compiled and the file is a `.keras` file,
+        the template is compiled with the same settings and shares its
+        optimizer, so the file holds the compile configuration and optimizer
+        state, as `ModelCheckpoint` on a compiled model would, and
+        `keras.models.load_model` returns a model ready to evaluate or
+        continue training. Legacy `.h5` files hold the template uncompiled:
+        Keras' legacy loader cannot read back some compile settings (such as
+        `loss="mse"`).
+        """
+        keras_format = str(filepath).endswith(".keras")
+        if keras_format and self.compiled and getattr(self._template, "optimizer", None) is not self.optimizer:
+            config = dict(self._compile_config.config, optimizer=self.optimizer)
+            self._template.compile(**config)
         return self._template.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):

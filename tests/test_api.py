@@ -10,6 +10,7 @@ PUBLIC = [
     "ParallelModel",
     "ParallelModelCheckpoint",
     "available_devices",
+    "parallel_predict",
     "parallelize",
     "simulate_devices",
     "unwrap",

@@ -104,3 +104,16 @@ def test_cpu_relocation_moves_variables_to_host_and_still_matches(tmp_path):
     )
     for a, b in zip(reference.weights, template.weights):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_saved_file_keeps_compile_settings_and_optimizer_state(tmp_path):
+    model, parallel, x = _trained_parallel()
+    path = str(tmp_path / "compiled.keras")
+    parallel.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.compiled
+    assert int(loaded.optimizer.iterations) == int(parallel.optimizer.iterations) > 0
+    for a, b in zip(loaded.optimizer.variables, parallel.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    y = np.zeros((20, 3), "float32")
+    np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), parallel.evaluate(x, y, verbose=0), rtol=1e-5)

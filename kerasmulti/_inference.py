@@ -1,0 +1,229 @@
+"""`parallel_predict`: data-parallel inference over data larger than memory.
+
+Batches are read one at a time (a background thread reads the next ones while
+the devices work), predicted by a parallel model, and either collected or
+streamed into an HDF5 file. The file is crash-safe by construction:
+
+- it is created complete, with every output dataset allocated at full size
+  (contiguous, allocated early) and a progress counter, under a temporary name
+  that is then renamed into place, so it is valid from the moment it exists;
+- afterwards only raw data is written in place (rows, then the counter, each
+  followed by a flush): HDF5's structure never changes, so a kill leaves a
+  readable file whose counter never exceeds the rows really written;
+- the same call again continues from the counter; a file written for another
+  model or input is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import h5py
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from kerasmulti import _atomic, _sources
+from kerasmulti._parallel import ParallelModel, parallelize
+
+PROGRESS = "kerasmulti_rows_done"
+_PREFETCH = 2
+
+
+def _prefetch(iterator, depth=_PREFETCH):
+    """Yields from `iterator`, read ahead on a thread, holding `depth` batches at most."""
+    buffer = queue.Queue(maxsize=depth)
+    done = object()
+
+    def read():
+        try:
+            for item in iterator:
+                buffer.put(item)
+        except BaseException as error:  # re-raised on the consumer's side
+            buffer.put(error)
+        buffer.put(done)
+
+    threading.Thread(target=read, daemon=True, name="kerasmulti-reader").start()
+    while (item := buffer.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _output_names(template, outputs) -> list[str]:
+    flat = tree.flatten(outputs)
+    if isinstance(outputs, dict):
+        names = sorted(outputs)  # tree.flatten orders dict entries by key
+    else:
+        names = list(getattr(template, "output_names", None) or [])
+        if not names and getattr(template, "outputs", None):
+            # Sequential has no output_names; its outputs know their layers.
+            names = [t._keras_history.operation.name for t in template.outputs]
+    if len(names) != len(flat) or len(set(names)) != len(names):
+        names = [f"output_{i}" for i in range(len(flat))]
+    return names
+
+
+def _create(path, rows, spec, names, attributes, extra):
+    def build(temporary):
+        with h5py.File(temporary, "w") as f:
+            for name, (shape, dtype) in zip(names, spec):
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                # Early allocation: later writes touch raw data only, never
+                # HDF5's structure, so a kill cannot corrupt the file.
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                f.create_dataset(name, shape=(rows, *shape), dtype=dtype, dcpl=dcpl)
+            f.create_dataset(PROGRESS, data=np.int64(0))
+            for key, value in extra.items():
+                f.create_dataset(key, data=value)
+            f.attrs.update(attributes)
+
+    _atomic.write(path, build)
+
+
+def _open_existing(path, attributes):
+    try:
+        f = h5py.File(path, "r+")
+    except OSError as error:
+        raise ValueError(
+            f"parallel_predict() cannot resume '{path}': it is not a readable "
+            "HDF5 file. Delete it or pick another output path. "
+            f"Received: output={path!r}"
+        ) from error
+    for key, value in attributes.items():
+        if f.attrs.get(key) != value:
+            f.close()
+            what = "model" if key == "kerasmulti_model" else "input"
+            raise ValueError(
+                f"parallel_predict() will not add to '{path}': it holds results "
+                f"of a different {what}, and mixing them would silently corrupt "
+                "it. Delete the file or choose another output path to start "
+                f"over. Received: output={path!r}"
+            )
+    return f
+
+
+def parallel_predict(
+    model: keras.Model,
+    data,
+    gpus=None,
+    devices=None,
+    batch_size: int = 32,
+    output: str | None = None,
+    verbose="auto",
+    extra: dict | None = None,
+):
+    """Predicts over a data set on several devices, optionally into an HDF5 file.
+
+    Each batch is split across the devices as in `parallelize`; results come
+    back in input order and equal `model.predict` row for row. Data is read a
+    batch at a time, so with `output` set memory stays flat however large the
+    input. With `output="features.h5"` the results stream into an HDF5 file,
+    one dataset per model output, named after it; if the process dies, the same
+    call continues where the file says it stopped, and every row ends up
+    written exactly once. The file's `kerasmulti_rows_done` dataset says how
+    many rows are final.
+
+    Args:
+        model: A `keras.Model`, or a model from `parallelize` (its devices are
+            used unless `gpus` or `devices` is given).
+        data: Numpy arrays (lists or dicts of them for several inputs, a
+            memory-mapped `.npy` file), an `h5py.Dataset`, a
+            `keras.utils.PyDataset` or a `tf.data.Dataset` (both yield batches).
+        gpus: As in `parallelize`: how many devices, a list of ids, or None.
+        devices: As in `parallelize`: explicit TensorFlow device names.
+        batch_size: Rows per step for arrays and HDF5 datasets.
+        output: Path of an HDF5 file to stream results into, or None to return
+            them.
+        verbose: `"auto"` or 1 shows a progress bar with rows/s, 0 is quiet,
+            2 prints one line at the end.
+        extra: Arrays stored beside the results (e.g. `{"filenames": names}`),
+            one row per input row.
+
+    Returns:
+        With `output=None`, the predictions, structured as `model.predict`
+        returns them; otherwise the output path.
+
+    Raises:
+        ValueError: If the rows do not fit the model, `batch_size` is not a
+            positive int, or `output` holds results of another model or input.
+        TypeError: If `data` is of a kind it cannot read.
+
+    Example:
+
+    ```python
+    import keras, numpy as np, kerasmulti
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="features")])
+    x = np.random.rand(1000, 8).astype("float32")
+    kerasmulti.parallel_predict(model, x, batch_size=128, output="features.h5")
+    ```
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            "parallel_predict() needs batch_size to be a positive int, the rows "
+            f"predicted per step. Received: batch_size={batch_size!r}"
+        )
+    if isinstance(model, ParallelModel) and gpus is None and devices is None:
+        parallel = model
+    else:
+        parallel = parallelize(model, gpus=gpus, devices=devices)
+    template = parallel._template
+    source = _sources.make_source(data)
+    sample = source.sample()
+    _sources.check_shapes(template, sample)
+    verbose = 1 if verbose == "auto" else verbose
+    predict = _predictor(parallel)
+
+    if output is None:
+        collected = []
+        for batch, _ in _run(predict, source, 0, batch_size, verbose):
+            collected.append(batch)
+        if not collected:
+            return []
+        return tree.map_structure(lambda *parts: np.concatenate(parts), *collected)
+
+    attributes = {
+        "kerasmulti_model": _sources.model_fingerprint(template),
+        "kerasmulti_input": _sources.fingerprint(source),
+        "kerasmulti_rows": source.rows,
+    }
+    outputs = predict(sample)
+    names = _output_names(template, outputs)
+    if not os.path.exists(output):
+        spec = [(np.shape(o)[1:], np.asarray(o).dtype) for o in tree.flatten(outputs)]
+        _create(output, source.rows, spec, names, attributes, extra or {})
+    with _open_existing(output, attributes) as f:
+        done = int(f[PROGRESS][()])
+        for batch, (begin, end) in _run(predict, source, done, batch_size, verbose):
+            for name, values in zip(names, tree.flatten(batch)):
+                f[name][begin:end] = values
+            f.flush()
+            f[PROGRESS][()] = end  # only after the rows are on disk
+            f.flush()
+    return output
+
+
+def _predictor(parallel):
+    # One function for all batch sizes: the first and last batch differ, and
+    # a relaxed signature keeps that to two traces.
+    step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True)
+    return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
+
+
+def _run(predict, source, start, batch_size, verbose):
+    """Yields (predictions, (first_row, end_row)) batch by batch from `start`."""
+    bar = keras.utils.Progbar(source.rows, verbose=verbose, unit_name="row", stateful_metrics=["rows/s"])
+    begin_time, row = time.perf_counter(), start
+    if start:
+        bar.update(start)
+    for inputs in _prefetch(source.batches(start, batch_size)):
+        predictions = predict(inputs)
+        end = row + len(tree.flatten(predictions)[0])
+        yield predictions, (row, end)
+        rate = (end - start) / max(time.perf_counter() - begin_time, 1e-9)
+        bar.update(end, values=[("rows/s", rate)])
+        row = end

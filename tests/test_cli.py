@@ -1,0 +1,116 @@
+"""The kerasmulti command: demo, devices, predict, and its one-line errors."""
+
+import os
+import subprocess
+import sys
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _kerasmulti(*args, cwd=None):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kerasmulti._cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
+
+
+def test_devices_lists_simulated_devices():
+    result = _kerasmulti("--simulate", "3", "devices")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+
+
+def test_demo_trains_saves_and_checks_the_reload(tmp_path):
+    result = _kerasmulti("demo", "--epochs", "2", "--output", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "Devices (2): /device:CPU:0, /device:CPU:1" in out
+    assert "sub-batches of 64 on /device:CPU:0, 64 on /device:CPU:1" in out
+    assert "epoch 2/2: loss" in out and "test accuracy" in out and "samples/s" in out
+    assert "predictions match" in out
+    keras.models.load_model(str(tmp_path / "out" / "digits_convnet.keras"))
+
+
+def test_demo_refuses_more_devices_than_exist_without_a_traceback():
+    result = _kerasmulti("demo", "--gpus", "5")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "Received: gpus=5" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("predict")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(5, name="emb")]
+    )
+    model.save(folder / "m.keras")
+    x = np.random.default_rng().random((37, 8, 8, 3)).astype("float32")
+    np.save(folder / "x.npy", x)
+    with h5py.File(folder / "x.h5", "w") as f:
+        f["images"] = x
+        f["labels"] = np.zeros(37)
+    (folder / "images").mkdir()
+    for i in range(9):
+        keras.utils.save_img(str(folder / "images" / f"im{i}.png"), np.random.default_rng().random((12, 10, 3)) * 255)
+    return folder, model, x
+
+
+def test_predict_from_npy_and_h5(files):
+    folder, model, x = files
+    for source, extra in (("x.npy", []), ("x.h5", ["--dataset", "images"])):
+        out = folder / f"{source}.out.h5"
+        result = _kerasmulti("--simulate", "2", "predict", "m.keras", source, "--output", str(out), "--batch-size", "8", *extra, cwd=folder)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "wrote predictions for 37 rows" in result.stdout
+        with h5py.File(out, "r") as f:
+            np.testing.assert_allclose(f["emb"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_predict_from_an_image_folder_stores_file_names(files):
+    folder, model, _ = files
+    out = folder / "images.out.h5"
+    result = _kerasmulti("predict", "m.keras", "images", "--output", str(out), cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = sorted(os.listdir(folder / "images"))
+    images = np.stack([keras.utils.img_to_array(keras.utils.load_img(str(folder / "images" / n), target_size=(8, 8))) for n in names])
+    with h5py.File(out, "r") as f:
+        assert [n.decode() for n in f["filenames"][:]] == names
+        np.testing.assert_allclose(f["emb"][:], model.predict(images, verbose=0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope.keras", "x.npy"], "The model file 'nope.keras' does not exist. Received: model='nope.keras'"),
+        (["x.npy", "x.npy"], "could not be loaded as a Keras model"),
+        (["m.keras", "nope.npy"], "The input 'nope.npy' does not exist. Received: input='nope.npy'"),
+        (["m.keras", "x.h5", "--dataset", "zz"], "holds the datasets ['images', 'labels']; pass the one to predict on with --dataset NAME. Received: dataset='zz'"),
+        (["m.keras", "x.h5"], "Received: dataset=None"),
+        (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
+        (["m.keras", "x.h5", "--dataset", "labels"], "do not fit model"),
+    ],
+)
+def test_predict_errors_are_one_line_with_a_non_zero_exit(files, args, message):
+    folder, _, _ = files
+    result = _kerasmulti("predict", *args, "--output", "bad.h5", cwd=folder)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr
+
+
+def test_predict_on_a_folder_without_images_and_a_non_image_model(files, tmp_path):
+    folder, _, _ = files
+    result = _kerasmulti("predict", str(folder / "m.keras"), str(tmp_path), "--output", str(tmp_path / "o.h5"))
+    assert result.returncode == 2 and "holds no images" in result.stderr
+    dense = tmp_path / "dense.keras"
+    keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]).save(dense)
+    result = _kerasmulti("predict", str(dense), str(folder / "images"), "--output", str(tmp_path / "o.h5"))
+    assert result.returncode == 2 and "needs a model with one image input" in result.stderr

@@ -1,0 +1,190 @@
+"""parallel_predict: equal to model.predict row for row, streamed, resumable."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasmulti
+from conftest import DEVICES
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "predict_to_file.py")
+
+
+def _two_outputs(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(3, name="features")(hidden), keras.layers.Dense(1, name="score")(hidden)])
+
+
+def _data(rows):
+    return np.random.default_rng().normal(size=(rows, 6)).astype("float32")
+
+
+def _assert_same(expected, got):
+    for e, g in zip(keras.tree.flatten(expected), keras.tree.flatten(got)):
+        assert np.shape(g) == np.shape(e)
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, DEVICES - 1, DEVICES, 10, 37])
+def test_returns_model_predict_row_for_row(rows):
+    model, x = _two_outputs(), _data(rows)
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0))
+
+
+def test_dict_and_list_inputs():
+    left, right = keras.Input((4,), name="left"), keras.Input((2,), name="right")
+    model = keras.Model({"left": left, "right": right}, keras.layers.Dense(2)(keras.layers.concatenate([left, right])))
+    rng = np.random.default_rng()
+    x = {"left": rng.normal(size=(11, 4)).astype("float32"), "right": rng.normal(size=(11, 2)).astype("float32")}
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=3, verbose=0))
+
+
+def test_h5py_dataset_and_memory_mapped_npy_inputs(tmp_path):
+    model, x = _two_outputs(), _data(23)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = x
+    with h5py.File(tmp_path / "in.h5", "r") as f:
+        got = kerasmulti.parallel_predict(model, f["x"], batch_size=5, verbose=0)
+    _assert_same(model.predict(x, verbose=0), got)
+    np.save(tmp_path / "in.npy", x)
+    mapped = np.load(tmp_path / "in.npy", mmap_mode="r")
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, mapped, batch_size=5, verbose=0))
+
+
+def test_tf_data_and_pydataset_inputs():
+    model, x = _two_outputs(), _data(17)
+    expected = model.predict(x, verbose=0)
+    dataset = tf.data.Dataset.from_tensor_slices((x, np.zeros(17))).batch(5)
+    _assert_same(expected, kerasmulti.parallel_predict(model, dataset, verbose=0))
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return x[i * 5 : (i + 1) * 5]
+
+    _assert_same(expected, kerasmulti.parallel_predict(model, Batches(), verbose=0))
+
+
+def test_streams_into_hdf5_one_dataset_per_output(tmp_path):
+    model, x = _two_outputs(), _data(29)
+    path = str(tmp_path / "features.h5")
+    names = np.array([f"row-{i}" for i in range(29)], dtype="S")
+    assert kerasmulti.parallel_predict(model, x, batch_size=4, output=path, verbose=0, extra={"filenames": names}) == path
+    features, score = model.predict(x, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(f["score"][:], score, rtol=1e-5, atol=1e-6)
+        assert f["kerasmulti_rows_done"][()] == 29
+        assert list(f["filenames"][:]) == list(names)
+    assert [n for n in os.listdir(tmp_path)] == ["features.h5"]
+
+
+class _Crashing(keras.utils.PyDataset):
+    """Yields the rows of `x` in batches of 4, and dies at batch `crash_at`."""
+
+    def __init__(self, x, crash_at=None):
+        super().__init__()
+        self.x, self.crash_at, self.requested = x, crash_at, []
+
+    def __len__(self):
+        return -(-len(self.x) // 4)
+
+    def __getitem__(self, i):
+        self.requested.append(i)
+        if i == self.crash_at:  # only the first and last batch are read before predicting
+            raise RuntimeError("the job died")
+        return self.x[i * 4 : (i + 1) * 4]
+
+
+def test_the_same_call_resumes_where_the_file_stopped(tmp_path):
+    model, x = _two_outputs(), _data(30)
+    path = str(tmp_path / "out.h5")
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=5), output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        done = int(f["kerasmulti_rows_done"][()])
+    assert 0 < done < 30
+    again = _Crashing(x)
+    kerasmulti.parallel_predict(model, again, output=path, verbose=0)
+    predicted = [i for i in again.requested if i not in (0, len(again) - 1)]
+    assert min(predicted) >= done // 4  # it did not start over
+    features, score = model.predict(x, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
+        assert f["kerasmulti_rows_done"][()] == 30
+
+
+def test_another_model_or_input_is_refused(tmp_path):
+    model, x = _two_outputs(), _data(12)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, x, output=path, verbose=0)
+    with pytest.raises(ValueError, match=r"different model.*Received: output="):
+        kerasmulti.parallel_predict(_two_outputs(seed=1), x, output=path, verbose=0)
+    with pytest.raises(ValueError, match=r"different input.*Received: output="):
+        kerasmulti.parallel_predict(model, x + 1, output=path, verbose=0)
+
+
+def test_an_unreadable_output_file_is_refused(tmp_path):
+    path = tmp_path / "out.h5"
+    path.write_bytes(b"not hdf5 at all")
+    with pytest.raises(ValueError, match=r"not a readable HDF5 file.*Received: output="):
+        kerasmulti.parallel_predict(_two_outputs(), _data(4), output=str(path), verbose=0)
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, "8", True])
+def test_bad_batch_size_is_refused(batch_size):
+    with pytest.raises(ValueError, match=f"Received: batch_size={batch_size!r}"):
+        kerasmulti.parallel_predict(_two_outputs(), _data(4), batch_size=batch_size)
+
+
+def test_unreadable_data_and_wrong_shapes_are_refused():
+    with pytest.raises(TypeError, match=r"reads numpy arrays.*Received: data=str"):
+        kerasmulti.parallel_predict(_two_outputs(), "x.npy")
+    with pytest.raises(ValueError, match=r"do not fit model.*\(6,\).*Received: row shapes \(5,\)"):
+        kerasmulti.parallel_predict(_two_outputs(), np.zeros((4, 5), "float32"))
+    with pytest.raises(ValueError, match=r"same number of rows.*Received: rows per input \[3, 4\]"):
+        kerasmulti.parallel_predict(_two_outputs(), [np.zeros((3, 6)), np.zeros((4, 6))])
+
+
+def test_progress_bar_shows_rows_per_second_and_verbose_0_is_quiet(capsys):
+    model, x = _two_outputs(), _data(40)
+    kerasmulti.parallel_predict(model, x, batch_size=8, verbose=0)
+    assert capsys.readouterr().out == ""
+    kerasmulti.parallel_predict(model, x, batch_size=8, verbose=1)
+    out = capsys.readouterr().out
+    assert "40/40" in out and "rows/s" in out
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_leaves_a_valid_file_and_resumes(tmp_path):
+    path = str(tmp_path / "out.h5")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    progress = []
+    for _ in range(5):
+        process = subprocess.Popen([sys.executable, WORKER, path], stdout=subprocess.PIPE, text=True, env=env)
+        assert process.stdout.readline().strip() == "started"
+        time.sleep(random.uniform(0.5, 2.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if os.path.exists(path):
+            with h5py.File(path, "r") as f:  # valid at every moment
+                done = int(f["kerasmulti_rows_done"][()])
+                assert f["features"].shape == (6000, 64)
+            progress.append(done)
+    assert progress and progress == sorted(progress), progress  # never goes back
+    result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
