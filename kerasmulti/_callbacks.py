@@ -122,7 +122,10 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint):
         _check_writable(self.filepath)
 
     def set_model(self, model):
-        target = self._explicit_template or unwrap(model)
+        # A parallel model's own save() writes its template (with the compile
+        # settings); an explicit, different template is saved as it is.
+        explicit = self._explicit_template
+        target = model if explicit is None or explicit is unwrap(model) else explicit
         super().set_model(_AtomicSaver(model, target))
 
     def on_train_begin(self, logs=None):

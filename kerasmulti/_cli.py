@@ -54,6 +54,11 @@ def _simulate_without_gpus(requested: int | None) -> None:
         if tf.config.list_physical_devices("GPU"):
             return
         requested = int(os.environ.get(kerasmulti._devices.ENV_SIMULATE) or DEFAULT_SIMULATED)
+    # One thread per simulated device, as if each were one core: throughput
+    # against "one device" then compares like with like (benchmarks/ does too).
+    # Threading, like devices, is fixed once TensorFlow starts, so it goes first.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(requested)
     kerasmulti.simulate_devices(requested)
 
 

@@ -34,11 +34,16 @@ def _trained_parallel():
     return model, parallel, x
 
 
+@pytest.mark.parametrize("how", ["save", "checkpoint"])
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])
-def test_saved_file_loads_with_plain_keras_in_a_fresh_process(tmp_path, suffix):
+def test_saved_file_loads_with_plain_keras_in_a_fresh_process(tmp_path, suffix, how):
     model, parallel, x = _trained_parallel()
     path = str(tmp_path / f"model{suffix}")
-    parallel.save(path)
+    if how == "save":
+        parallel.save(path)
+    else:
+        y = np.zeros((20, 3), "float32")
+        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path)])
     np.save(tmp_path / "x.npy", np.concatenate(x, axis=1))
     # The loader takes the two inputs as one array split by a tiny wrapper.
     script = LOAD_WITHOUT_KERASMULTI.replace(
