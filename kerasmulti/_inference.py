@@ -35,23 +35,43 @@ _PREFETCH = 2
 
 
 def _prefetch(iterator, depth=_PREFETCH):
-    """Yields from `iterator`, read ahead on a thread, holding `depth` batches at most."""
+    """Yields from `iterator`, read ahead on a thread, holding `depth` batches at most.
+
+    If the consumer stops early (an error while predicting or writing), the
+    reader thread notices and ends instead of blocking on a full queue.
+    """
     buffer = queue.Queue(maxsize=depth)
-    done = object()
+    done, stop = object(), threading.Event()
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                buffer.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def read():
         try:
             for item in iterator:
-                buffer.put(item)
+                if not put(item):
+                    return
         except BaseException as error:  # re-raised on the consumer's side
-            buffer.put(error)
-        buffer.put(done)
+            put(error)
+            return
+        put(done)
 
-    threading.Thread(target=read, daemon=True, name="kerasmulti-reader").start()
-    while (item := buffer.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    reader = threading.Thread(target=read, daemon=True, name="kerasmulti-reader")
+    reader.start()
+    try:
+        while (item := buffer.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        reader.join()
 
 
 def _output_names(template, outputs) -> list[str]:
@@ -130,7 +150,8 @@ def parallel_predict(
 
     Args:
         model: A `keras.Model`, or a model from `parallelize` (its devices are
-            used unless `gpus` or `devices` is given).
+            used unless `gpus` or `devices` is given, and its compiled step is
+            reused by later calls: pass one when predicting many times).
         data: Numpy arrays (lists or dicts of them for several inputs, a
             memory-mapped `.npy` file), an `h5py.Dataset`, a
             `keras.utils.PyDataset` or a `tf.data.Dataset` (both yield batches).
@@ -168,7 +189,7 @@ def parallel_predict(
             f"predicted per step. Received: batch_size={batch_size!r}"
         )
     if isinstance(model, ParallelModel) and gpus is None and devices is None:
-        parallel = model
+        parallel = model  # its compiled step is reused across calls
     else:
         parallel = parallelize(model, gpus=gpus, devices=devices)
     template = parallel._template
@@ -208,9 +229,12 @@ def parallel_predict(
 
 
 def _predictor(parallel):
-    # One function for all batch sizes: the first and last batch differ, and
-    # a relaxed signature keeps that to two traces.
-    step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True)
+    # Compiled once per parallel model and reused by later calls. A relaxed
+    # signature keeps the first, the full and the last batch to two traces.
+    step = getattr(parallel, "_kerasmulti_predict", None)
+    if step is None:
+        step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True)
+        parallel._kerasmulti_predict = step
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 
 

@@ -188,3 +188,37 @@ def test_sigkill_at_random_moments_leaves_a_valid_file_and_resumes(tmp_path):
     assert progress and progress == sorted(progress), progress  # never goes back
     result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+def test_a_parallel_model_reuses_its_compiled_step_across_calls():
+    model, x = _two_outputs(), _data(20)
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    kerasmulti.parallel_predict(parallel, x, batch_size=8, verbose=0)
+    step = parallel._kerasmulti_predict
+    traces = step.experimental_get_tracing_count()
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(parallel, x, batch_size=8, verbose=0))
+    assert parallel._kerasmulti_predict is step
+    assert step.experimental_get_tracing_count() == traces
+
+
+def test_reader_thread_ends_when_prediction_fails():
+    import threading
+
+    model = _two_outputs()
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="do not fit model"):
+        kerasmulti.parallel_predict(model, np.zeros((64, 5), "float32"), batch_size=4, verbose=0)
+
+    class BadBatch(keras.utils.PyDataset):
+        """Batch 5 has the wrong width: the prediction fails mid-stream."""
+
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, i):
+            return np.zeros((4, 7 if i == 5 else 6), "float32")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="size-incompatible"):
+        kerasmulti.parallel_predict(model, BadBatch(), verbose=0)
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.name == "kerasmulti-reader"]
+    assert not leftover
