@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import statistics
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
+from _common import check, configure_devices, fmt, make_parser, median, print_environment
+from _common import ratio, record_failure, run_reporting, scaled, timed_rounds, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
@@ -70,19 +67,6 @@ class Variant:
     train: list = field(default_factory=list)  # samples/s per repeat
     predict: list = field(default_factory=list)
     error: str | None = None
-
-
-def configure_devices(n: int) -> list[str]:
-    """Picks N replica devices; must run before TensorFlow initialises devices."""
-    if tf.config.list_physical_devices("GPU"):
-        return kerasmulti.available_devices()[:n]
-    # One thread per op and N concurrent ops: the bare model gets one core,
-    # N replicas get N, as N GPUs would give N times the compute. Threading
-    # goes first: simulate_devices() lists the devices it made, which
-    # initialises TensorFlow, after which threading can no longer change.
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(n)
-    return kerasmulti.simulate_devices(n)[:n]
 
 
 def build_model() -> keras.Model:
@@ -153,16 +137,9 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
         try:
             variant.model, variant.scope = builder()
         except Exception as error:  # reported in the table, never raised
-            _record_failure(variant, error)
+            record_failure(variant, error)
         variants.append(variant)
     return variants
-
-
-def _record_failure(variant: Variant, error: Exception) -> None:
-    print(f"{variant.name} failed; it is left out from here on:", file=sys.stderr)
-    traceback.print_exc()
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    variant.error = f"{type(error).__name__}: {first_line[:200]}"
 
 
 def time_fit(variant: Variant, x, y, batch_size: int) -> float:
@@ -191,7 +168,7 @@ def run_once(variant: Variant, x, y, batch_size: int, record: bool) -> None:
         train = time_fit(variant, x, y, batch_size)
         predict = time_predict(variant, x, batch_size)
     except Exception as error:  # reported in the table, never raised
-        _record_failure(variant, error)
+        record_failure(variant, error)
         return
     if record:
         variant.train.append(train)
@@ -203,65 +180,8 @@ def benchmark(variants: list[Variant], sizes: Sizes) -> None:
     # Warm-up: tracing and the first-call setup of each variant stay untimed.
     for variant in variants:
         run_once(variant, x, y, sizes.batch_size, record=False)
-    load = LoadMeter()
-    for repeat in range(sizes.repeats):
-        # Rotate the starting variant, so none is always first after a pause.
-        start = repeat % len(variants)
-        for variant in variants[start:] + variants[:start]:
-            run_once(variant, x, y, sizes.batch_size, record=True)
-        print(f"  repeat {repeat + 1}/{sizes.repeats} done", flush=True)
-    print(load.report())
-
-
-class LoadMeter:
-    """How much CPU other processes took while we were timing (Linux only).
-
-    The numbers are only as good as the machine is quiet; this says how quiet
-    it was, from /proc/stat (all processes) minus this process's own CPU time.
-    """
-
-    def __init__(self):
-        self._start = (time.perf_counter(), self._machine_busy(), self._own())
-
-    @staticmethod
-    def _machine_busy() -> float | None:
-        try:
-            with open("/proc/stat") as stat:
-                fields = [int(v) for v in stat.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own() -> float:
-        times = os.times()
-        return times.user + times.system
-
-    def report(self) -> str:
-        wall0, busy0, own0 = self._start
-        busy1 = self._machine_busy()
-        if busy0 is None or busy1 is None:
-            return "  (CPU load of other processes: unknown on this platform)"
-        wall = time.perf_counter() - wall0
-        others = max(0.0, (busy1 - busy0) - (self._own() - own0)) / wall
-        mine = (self._own() - own0) / wall
-        return (
-            f"  timed runs: {wall:.0f} s; this process used {mine:.2f} cores, "
-            f"other processes {others:.2f} of {os.cpu_count()} cores"
-        )
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    return value / base if value and base else None
-
-
-def fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
+    # Timed: interleaved repeats (see timed_rounds); the tables show their median.
+    timed_rounds(variants, sizes.repeats, lambda v: run_once(v, x, y, sizes.batch_size, record=True))
 
 
 def print_table(variants: list[Variant]) -> None:
@@ -282,34 +202,20 @@ def print_table(variants: list[Variant]) -> None:
         print(f"  {v.name:<24}" + (f"FAILED: {v.error}" if v.error else f"{runs} | {preds}"))
 
 
-def scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
-
-
-def check(label: str, value: float | None, bound: float | None) -> None:
-    if value is None or bound is None:
-        verdict = "not met (a variant failed)"
-    else:
-        verdict = "met" if value >= bound else "not met"
-    print(f"  {label}: {verdict} ({fmt(value, '.0f')} vs {fmt(bound, '.0f')} samples/s)")
-
-
 def print_checks(variants: list[Variant], n: int) -> None:
     bare, one, many, mirrored = ((median(v.train), median(v.predict)) for v in variants)
     print("\nTargets:")
-    check(f"{n}-device train >= 1.3x bare", many[0], scaled(bare[0], 1.3))
-    check(f"{n}-device train >= MirroredStrategy", many[0], mirrored[0])
-    check(f"{n}-device predict >= 1.5x bare", many[1], scaled(bare[1], 1.5))
-    check("1-device wrapper train >= 0.97x bare", one[0], scaled(bare[0], 0.97))
-    check("1-device wrapper predict >= 0.97x bare", one[1], scaled(bare[1], 0.97))
+    unit = "samples/s"
+    check(f"{n}-device train >= 1.3x bare", many[0], scaled(bare[0], 1.3), unit)
+    check(f"{n}-device train >= MirroredStrategy", many[0], mirrored[0], unit)
+    check(f"{n}-device predict >= 1.5x bare", many[1], scaled(bare[1], 1.5), unit)
+    check("1-device wrapper train >= 0.97x bare", one[0], scaled(bare[0], 0.97), unit)
+    check("1-device wrapper predict >= 0.97x bare", one[1], scaled(bare[1], 0.97), unit)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, default=2, help="replica devices (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
-    parser.add_argument("--samples", type=int, default=2048, help="samples per epoch")
-    parser.add_argument("--batch-size", type=int, default=256, help="global batch size")
+    parser = make_parser(__doc__, repeats=3, samples=2048,
+                         samples_help="samples per epoch", batch_help="global batch size")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run, 1 repeat")
     args = parser.parse_args(argv)
     if args.devices < 1 or args.repeats < 1:
@@ -324,15 +230,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
 
 
 def print_setup(devices: list[str], n: int, sizes: Sizes) -> None:
-    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-          f"kerasmulti {kerasmulti.__version__}")
-    simulated = not tf.config.list_physical_devices("GPU")
-    note = " (logical CPU devices, 1 intra-op thread each)" if simulated else ""
-    print(f"Devices: {', '.join(devices)}{note}")
+    print_environment(devices)
     print(f"Data: {sizes.samples} samples of {INPUT_SHAPE}, batch {sizes.batch_size}, "
           f"{sizes.repeats} repeat(s)\n")
-    if len(devices) < n:
-        print(f"Only {len(devices)} device(s), {n} asked: the multi-device variants will fail.\n")
+    warn_missing_devices(devices, n, "multi-device")
 
 
 def main(argv=None) -> int:
@@ -347,8 +248,4 @@ def main(argv=None) -> int:
     return 0
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:  # a benchmark reports problems, it does not fail
-        traceback.print_exc()
-    sys.exit(0)
+    run_reporting(main)

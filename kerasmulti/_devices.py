@@ -103,10 +103,20 @@ def simulate_devices(n: int) -> list[str]:
             "simulate_devices() expects a positive int, the number of logical "
             f"CPU devices to create. Received: n={n!r}"
         )
+    _configure(n)
+    return available_devices()
+
+
+def _configure(n: int) -> None:
+    """Sets up n logical CPU devices without initialising TensorFlow's devices.
+
+    Listing devices would initialise them, after which threading can no longer
+    be configured; so this only configures, and listing is left to the caller.
+    """
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
     if current is not None and len(current) == n:
-        return available_devices()
+        return
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
@@ -121,7 +131,6 @@ def simulate_devices(n: int) -> list[str]:
             f"environment variable {ENV_SIMULATE}={n} before starting Python "
             f"(in a notebook: restart the kernel). Received: n={n}"
         ) from error
-    return available_devices()
 
 
 def _simulate_from_environment() -> None:
@@ -138,7 +147,7 @@ def _simulate_from_environment() -> None:
             f"the number of logical CPU devices. Received: {ENV_SIMULATE}={value!r}"
         )
     try:
-        simulate_devices(n)
+        _configure(n)
     except RuntimeError as error:
         warnings.warn(str(error), stacklevel=3)
 

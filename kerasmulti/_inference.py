@@ -194,6 +194,11 @@ def parallel_predict(
         parallel = parallelize(model, gpus=gpus, devices=devices)
     template = parallel._template
     source = _sources.make_source(data)
+    if source.rows == 0:
+        raise ValueError(
+            "parallel_predict() got an input with no rows, so there is nothing "
+            "to predict. Pass data with at least one row. Received: 0 rows"
+        )
     sample = source.sample()
     _sources.check_shapes(template, sample)
     verbose = 1 if verbose == "auto" else verbose

@@ -114,3 +114,12 @@ def test_predict_on_a_folder_without_images_and_a_non_image_model(files, tmp_pat
     keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]).save(dense)
     result = _kerasmulti("predict", str(dense), str(folder / "images"), "--output", str(tmp_path / "o.h5"))
     assert result.returncode == 2 and "needs a model with one image input" in result.stderr
+
+
+def test_environment_variable_and_cli_threading_work_together():
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERASMULTI_SIMULATE_DEVICES": "3"}
+    result = subprocess.run(
+        [sys.executable, "-m", "kerasmulti._cli", "devices"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) == 3

@@ -222,3 +222,22 @@ def test_reader_thread_ends_when_prediction_fails():
         kerasmulti.parallel_predict(model, BadBatch(), verbose=0)
     leftover = [t for t in threading.enumerate() if t.ident not in before and t.name == "kerasmulti-reader"]
     assert not leftover
+
+
+def test_empty_input_is_refused():
+    with pytest.raises(ValueError, match=r"no rows.*Received: 0 rows"):
+        kerasmulti.parallel_predict(_two_outputs(), _data(0))
+
+
+def test_a_finished_file_is_left_as_it_is_and_batching_does_not_change_the_input(tmp_path):
+    model, x = _two_outputs(), _data(10)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)  # batches of 4, last of 2
+    again = _Crashing(x)
+    kerasmulti.parallel_predict(model, again, output=path, verbose=0)
+    assert [i for i in again.requested if i not in (0, len(again) - 1)] == []  # nothing left to read
+    # The same rows as one array are the same input: accepted, nothing redone.
+    kerasmulti.parallel_predict(model, x, batch_size=3, output=path, verbose=0)
+    features, _ = model.predict(x, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)

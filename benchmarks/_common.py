@@ -1,0 +1,204 @@
+"""What the benchmark scripts share: devices, timing, failures and reporting.
+
+Imported by `bench_data_parallel.py` and `bench_inference.py` (their folder is
+on `sys.path` when they run as `python benchmarks/<script>.py`, in the child
+processes of `bench_inference.py` too). It holds:
+
+- the TensorFlow environment defaults, set on import, before TensorFlow loads;
+- `configure_devices`: the N replica devices (GPUs, or logical CPU devices with
+  one intra-op thread each), `print_environment`, the versions and devices,
+  and `warn_missing_devices`;
+- `timed_rounds`: the interleaved timed repeats, starting variant rotating,
+  with `LoadMeter`, the CPU that other processes took meanwhile;
+- `record_failure` and `error_summary`: a failing variant is reported, not raised;
+- `median`, `ratio`, `scaled`, `fmt` and `check`: the numbers of the tables and
+  the "met / not met" lines of the targets;
+- `make_parser`: the options every script takes (`--devices`, `--repeats`,
+  `--samples`, `--batch-size`; each script adds `--quick` after its own);
+- `run_reporting`: runs a script's main and exits 0 whatever happens, since a
+  benchmark reports problems, it does not fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+# Importing these does not initialise TensorFlow's devices; creating a tensor does.
+import keras  # noqa: E402
+import kerasmulti  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# ------------------------------------------------------------------- devices
+
+
+def configure_devices(n: int) -> list[str]:
+    """Picks N replica devices; must run before TensorFlow initialises devices."""
+    if tf.config.list_physical_devices("GPU"):
+        return kerasmulti.available_devices()[:n]
+    # One thread per op and N concurrent ops: the one-device baseline gets one
+    # core, N replicas get N, as N GPUs would give N times the compute. Threading
+    # goes first: simulate_devices() lists the devices it made, which
+    # initialises TensorFlow, after which threading can no longer change.
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(n)
+    return kerasmulti.simulate_devices(n)[:n]
+
+
+def print_environment(devices: list[str]) -> None:
+    """Prints the versions in use and the replica devices."""
+    print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+          f"kerasmulti {kerasmulti.__version__}")
+    simulated = not tf.config.list_physical_devices("GPU")
+    note = " (logical CPU devices, 1 intra-op thread each)" if simulated else ""
+    print(f"Devices: {', '.join(devices)}{note}")
+
+
+def warn_missing_devices(devices: list[str], n: int, which: str) -> None:
+    """Says, if fewer than N devices were found, that the `which` variants will fail."""
+    if len(devices) < n:
+        print(f"Only {len(devices)} device(s), {n} asked: the {which} variants will fail.\n")
+
+
+# -------------------------------------------------------------------- timing
+
+
+class LoadMeter:
+    """How much CPU other processes took while we were timing (Linux only).
+
+    The numbers are only as good as the machine is quiet; this says how quiet
+    it was, from /proc/stat (all processes) minus this process's own CPU time.
+    """
+
+    def __init__(self):
+        self._start = (time.perf_counter(), self._machine_busy(), self._own())
+
+    @staticmethod
+    def _machine_busy() -> float | None:
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        times = os.times()
+        return times.user + times.system
+
+    def report(self) -> str:
+        wall0, busy0, own0 = self._start
+        busy1 = self._machine_busy()
+        if busy0 is None or busy1 is None:
+            return "  (CPU load of other processes: unknown on this platform)"
+        wall = time.perf_counter() - wall0
+        others = max(0.0, (busy1 - busy0) - (self._own() - own0)) / wall
+        mine = (self._own() - own0) / wall
+        return (
+            f"  timed runs: {wall:.0f} s; this process used {mine:.2f} cores, "
+            f"other processes {others:.2f} of {os.cpu_count()} cores"
+        )
+
+
+def timed_rounds(variants: list, repeats: int, run: Callable[[object], None]) -> None:
+    """Calls `run(variant)` for every variant, `repeats` times, interleaved.
+
+    Every repeat runs each variant once in turn, so a burst of load from other
+    processes slows all variants alike instead of skewing one of them; then
+    prints how much CPU other processes took meanwhile.
+    """
+    load = LoadMeter()
+    for repeat in range(repeats):
+        # Rotate the starting variant, so none is always first after a pause.
+        start = repeat % len(variants)
+        for variant in variants[start:] + variants[:start]:
+            run(variant)
+        print(f"  repeat {repeat + 1}/{repeats} done", flush=True)
+    print(load.report())
+
+
+# ------------------------------------------------------------------ failures
+
+
+def error_summary(error: Exception) -> str:
+    """The error's type and the first line of its message, for a table cell."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:200]}"
+
+
+def record_failure(variant, error: Exception) -> None:
+    """Reports a variant's failure (traceback on stderr) and disables it.
+
+    Call it from the `except` block that caught `error`; the variant needs a
+    `name` and an `error` attribute.
+    """
+    print(f"{variant.name} failed; it is left out from here on:", file=sys.stderr)
+    traceback.print_exc()
+    variant.error = error_summary(error)
+
+
+# ------------------------------------------------------------------- numbers
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value and base else None
+
+
+def scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def check(label: str, value: float | None, bound: float | None, unit: str) -> None:
+    """Prints whether a rate reaches its lower bound (`value >= bound`)."""
+    if value is None or bound is None:
+        verdict = "not met (a variant failed)"
+    else:
+        verdict = "met" if value >= bound else "not met"
+    print(f"  {label}: {verdict} ({fmt(value, '.0f')} vs {fmt(bound, '.0f')} {unit})")
+
+
+# -------------------------------------------------------------------- script
+
+
+def make_parser(
+    doc: str, *, repeats: int, samples: int, samples_help: str, batch_help: str
+) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark takes; a script adds its own.
+
+    `--quick` is left to the script, so that `--help` lists it after the
+    script's own options, where it always stood.
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=2, help="replica devices (default 2)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"timed rounds (default {repeats})")
+    parser.add_argument("--samples", type=int, default=samples, help=samples_help)
+    parser.add_argument("--batch-size", type=int, default=256, help=batch_help)
+    return parser
+
+
+def run_reporting(main: Callable[[], object]) -> None:
+    """Runs `main` and exits 0: a benchmark reports problems, it does not fail."""
+    try:
+        main()
+    except Exception:  # printed, never raised
+        traceback.print_exc()
+    sys.exit(0)
