@@ -4,6 +4,8 @@ Public API (everything else is private):
 
 - `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
 - `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
+- `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model;
+  `placement_summary(model)`, `remap_devices(model, mapping)`.
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -31,17 +33,29 @@ from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
+from kerasmulti._placement import OnDevice  # noqa: E402
+from kerasmulti._placement import PlacementSummary  # noqa: E402
+from kerasmulti._placement import device_scope  # noqa: E402
+from kerasmulti._placement import on_device  # noqa: E402
+from kerasmulti._placement import placement_summary  # noqa: E402
+from kerasmulti._placement import remap_devices  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceError",
+    "OnDevice",
     "ParallelBackupAndRestore",
     "ParallelModel",
     "ParallelModelCheckpoint",
+    "PlacementSummary",
     "available_devices",
+    "device_scope",
+    "on_device",
     "parallel_predict",
     "parallelize",
+    "placement_summary",
+    "remap_devices",
     "simulate_devices",
     "unwrap",
 ]

@@ -219,6 +219,27 @@ def resolve_devices(
     return [existing[i] for i in ids]
 
 
+def _known_name(name, known: list[str], caller: str, received: str) -> str:
+    try:
+        canonical = _canonical(name) if isinstance(name, str) else None
+    except ValueError:
+        canonical = None
+    if canonical not in known:
+        raise DeviceError(
+            f"{caller} got a device that does not exist on this machine. "
+            f"Known devices: {', '.join(known)}. Use one of these names, or "
+            "kerasmulti.simulate_devices(n) before TensorFlow starts for "
+            f"more CPU devices. Received: {received}"
+        )
+    return canonical
+
+
+def resolve_device(device: str, caller: str) -> str:
+    """One device name, canonical; a `DeviceError` listing the known ones if it does not exist."""
+    known = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+    return _known_name(device, known, caller, f"device={device!r}")
+
+
 def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
     known = [_canonical(d.name) for d in tf.config.list_logical_devices()]
     if isinstance(devices, str) or not devices:
@@ -227,20 +248,7 @@ def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
             f"names, such as ['/gpu:0', '/gpu:1']. Known devices: "
             f"{', '.join(known)}. Received: devices={devices!r}"
         )
-    names = []
-    for name in devices:
-        try:
-            canonical = _canonical(name) if isinstance(name, str) else None
-        except ValueError:
-            canonical = None
-        if canonical not in known:
-            raise DeviceError(
-                f"{caller} got a device that does not exist on this machine. "
-                f"Known devices: {', '.join(known)}. Use one of these names, or "
-                "kerasmulti.simulate_devices(n) before TensorFlow starts for "
-                f"more CPU devices. Received: devices={list(devices)!r}"
-            )
-        names.append(canonical)
+    names = [_known_name(name, known, caller, f"devices={list(devices)!r}") for name in devices]
     if len(set(names)) != len(names):
         raise DeviceError(
             f"{caller} got the same device twice; each replica needs its own "

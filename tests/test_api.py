@@ -6,12 +6,18 @@ import kerasmulti
 
 PUBLIC = [
     "DeviceError",
+    "OnDevice",
     "ParallelBackupAndRestore",
     "ParallelModel",
     "ParallelModelCheckpoint",
+    "PlacementSummary",
     "available_devices",
+    "device_scope",
+    "on_device",
     "parallel_predict",
     "parallelize",
+    "placement_summary",
+    "remap_devices",
     "simulate_devices",
     "unwrap",
 ]

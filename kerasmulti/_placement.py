@@ -1,0 +1,376 @@
+"""Model parallelism: run chosen layers (or sub-models) on chosen devices.
+
+Keras 3 ignores a `tf.device` scope around model construction: a functional
+model re-runs its layers when it is called, outside that scope. Placement
+must therefore live in the model itself. `on_device(layer, device)` returns an
+`OnDevice` layer that calls `layer` inside `tf.device(device)` at call time,
+so fit, evaluate, predict, plain calls and `tf.function` traces all honour it.
+`device_scope(device)` does the same for every layer called inside the
+`with` block while the model is built. A layer called under two scopes gets
+two `OnDevice` wrappers around the same layer object: one set of weights,
+each call on its own device.
+
+`OnDevice` serialises like Keras' own wrappers (the inner layer through
+Keras' object sharing, so shared layers stay shared in a `.keras` file). A
+model loaded on a machine without a named device runs that layer wherever
+the model runs, after one warning; `remap_devices(model, mapping)` moves the
+placement explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import warnings
+from typing import Mapping
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common import global_state
+
+from kerasmulti._devices import _canonical, resolve_device
+
+_local = threading.local()
+_warned: set[str] = set()
+_original_call = keras.layers.Layer.__call__
+_installed = 0
+_install_lock = threading.Lock()
+
+
+def _stack() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextlib.contextmanager
+def _suspended():
+    """Inside a wrapper, its layer's own sub-layers are not wrapped again."""
+    saved = _stack()[:]
+    _stack().clear()
+    try:
+        yield
+    finally:
+        _stack().extend(saved)
+
+
+def _is_symbolic(args, kwargs) -> bool:
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
+
+
+def _scoped_call(self, *args, **kwargs):
+    stack = _stack()
+    if stack and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs):
+        return OnDevice(self, stack[-1], _validated=True)(*args, **kwargs)
+    return _original_call(self, *args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="kerasmulti")
+class OnDevice(keras.layers.Layer):
+    """Runs a layer (or sub-model) on one device; made by `on_device`.
+
+    Its weights are the wrapped layer's. `device` holds the canonical device
+    name; `remap_devices` changes it.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    wrapped = kerasmulti.on_device(keras.layers.Dense(4), "/cpu:0")
+    print(wrapped.device)  # /device:CPU:0
+    ```
+    """
+
+    def __init__(self, layer, device: str, _validated: bool = False, **kwargs):
+        kwargs.setdefault("name", f"{layer.name}_on_{_short(device)}")
+        super().__init__(**kwargs)
+        self.layer = layer
+        self.device = device if _validated else _canonical(device)
+        self._call_has_training = "training" in getattr(layer, "call_signature_parameters", [])
+
+    def build(self, *args, **kwargs):
+        self.built = True
+
+    def _scope(self):
+        known = {_canonical(d.name) for d in tf.config.list_logical_devices()}
+        if self.device in known:
+            return tf.device(self.device)
+        if self.device not in _warned:
+            _warned.add(self.device)
+            warnings.warn(
+                f"Layer '{self.layer.name}' is placed on {self.device}, which this "
+                f"machine does not have (it has {', '.join(sorted(known))}); it "
+                "runs where the rest of the model runs. To choose, call "
+                "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}).",
+                stacklevel=3,
+            )
+        return contextlib.nullcontext()
+
+    def call(self, inputs, *args, training=None, **kwargs):
+        if self._call_has_training:
+            kwargs["training"] = training
+        with _suspended(), self._scope():
+            return self.layer(inputs, *args, **kwargs)
+
+    def compute_output_spec(self, inputs, *args, training=None, **kwargs):
+        # A symbolic call, not compute_output_spec: it also builds the layer,
+        # so its weights exist when the model is built, saved or loaded.
+        with _suspended():
+            return self.layer(inputs, *args, **kwargs)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "layer": keras.saving.serialize_keras_object(self.layer),
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        layer = _shared_layer(config.pop("layer"))
+        # Devices are not checked here: the file may come from another machine.
+        return cls(layer, config.pop("device"), _validated=True, **config)
+
+
+def _shared_layer(layer_config):
+    """Deserialises a wrapped layer once per model, however many wrappers share it.
+
+    Keras marks shared objects only on their second appearance in a saved
+    config, so the first wrapper's copy is unmarked. Within one load (Keras'
+    object-sharing map exists then), wrapped layers are reused by name, which
+    is unique within a model.
+    """
+    shared = global_state.get_global_attribute("shared_objects/id_to_obj_map")
+    key = ("kerasmulti.OnDevice", layer_config.get("config", {}).get("name"))
+    if shared is not None and key in shared:
+        return shared[key]
+    layer = keras.saving.deserialize_keras_object(layer_config)
+    if shared is not None:
+        shared[key] = layer
+    return layer
+
+
+def _short(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.device_type.lower()}{spec.device_index}"
+
+
+@contextlib.contextmanager
+def device_scope(device: str):
+    """Places every layer called inside the block on `device`, at run time.
+
+    Use it while building a functional model: each layer call inside the
+    `with` block becomes an `OnDevice` layer, so the model runs that call on
+    `device` whenever it runs (fit, evaluate, predict, a plain call, inside
+    `tf.function`). A layer called under two scopes keeps one set of weights
+    and runs each call on its own scope's device. Scopes nest; the innermost
+    wins. Device names are checked like `parallelize`'s.
+
+    Args:
+        device: A TensorFlow device name, such as `"/gpu:1"` (or a simulated
+            `"/cpu:1"`).
+
+    Raises:
+        DeviceError: If the device does not exist on this machine.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    tweet_a, tweet_b = keras.Input((280, 256)), keras.Input((280, 256))
+    shared_lstm = keras.layers.LSTM(64)
+    with kerasmulti.device_scope("/gpu:0"):
+        encoded_a = shared_lstm(tweet_a)
+    with kerasmulti.device_scope("/gpu:1"):
+        encoded_b = shared_lstm(tweet_b)
+    merged = keras.layers.concatenate([encoded_a, encoded_b], axis=-1)
+    model = keras.Model([tweet_a, tweet_b], keras.layers.Dense(1)(merged))
+    ```
+    """
+    global _installed
+    name = resolve_device(device, "device_scope()")
+    with _install_lock:
+        if _installed == 0:
+            keras.layers.Layer.__call__ = _scoped_call
+        _installed += 1
+    _stack().append(name)
+    try:
+        yield name
+    finally:
+        _stack().pop()
+        with _install_lock:
+            _installed -= 1
+            if _installed == 0:
+                keras.layers.Layer.__call__ = _original_call
+
+
+def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
+    """Wraps a layer or sub-model so that its calls run on `device`.
+
+    The wrapper shares the layer's weights and can be used in functional,
+    Sequential and subclassed models; it is saved and loaded with the model.
+
+    Args:
+        layer: A Keras layer or model.
+        device: A TensorFlow device name, checked like `parallelize`'s.
+
+    Returns:
+        An `OnDevice` layer.
+
+    Raises:
+        TypeError: If `layer` is not a Keras layer.
+        DeviceError: If the device does not exist on this machine.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    tower = keras.Sequential([keras.layers.Dense(32, activation="relu")])
+    inputs = keras.Input((16,))
+    outputs = kerasmulti.on_device(tower, "/cpu:0")(inputs)
+    model = keras.Model(inputs, outputs)
+    ```
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(
+            "on_device() places a Keras layer or model; wrap plain functions in "
+            f"keras.layers.Lambda first. Received: layer={type(layer).__name__}"
+        )
+    return OnDevice(layer, resolve_device(device, "on_device()"), _validated=True)
+
+
+def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model:
+    """Moves a model's placed layers to other devices, e.g. after loading it elsewhere.
+
+    Args:
+        model: A model holding `OnDevice` layers (from `device_scope` or
+            `on_device`), for instance one loaded with `keras.models.load_model`.
+        mapping: Old device name to new one, e.g. `{"/gpu:1": "/gpu:0"}`. The
+            new names are checked like `parallelize`'s.
+
+    Returns:
+        The same model, for chaining.
+
+    Raises:
+        DeviceError: If a new device does not exist on this machine.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    model = keras.models.load_model("two_tower.keras")
+    kerasmulti.remap_devices(model, {"/gpu:1": "/gpu:0"})
+    ```
+    """
+    moves = {_canonical(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, OnDevice) and layer.device in moves:
+            layer.device = moves[layer.device]
+    return model
+
+
+class PlacementSummary:
+    """Where each layer of a model runs; `print()` it, or read `rows` and `crossings`.
+
+    Made by `placement_summary(model)`.
+
+    Attributes:
+        rows: One dict per layer: `layer`, `type`, `device` (None where the
+            layer runs wherever the model runs) and `params`.
+        crossings: One dict per tensor that moves between devices: `tensor`
+            (the producing layer), `from` and `to` devices, and `shape`.
+
+    Example:
+
+    ```python
+    summary = kerasmulti.placement_summary(model)
+    print(summary)
+    on_gpu1 = [row["layer"] for row in summary.rows if row["device"] == "/device:GPU:1"]
+    ```
+    """
+
+    def __init__(self, rows: list[dict], crossings: list[dict]):
+        self.rows = rows
+        self.crossings = crossings
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':<28}{'type':<20}{'device':<18}{'params':>10}"]
+        lines.append("-" * len(lines[0]))
+        for row in self.rows:
+            lines.append(
+                f"{row['layer']:<28}{row['type']:<20}{row['device'] or '(default)':<18}{row['params']:>10,}"
+            )
+        lines.append("")
+        if self.crossings:
+            lines.append("tensors crossing devices:")
+            for c in self.crossings:
+                lines.append(f"  {c['tensor']} {c['shape']}: {c['from'] or '(default)'} -> {c['to'] or '(default)'}")
+        else:
+            lines.append("no tensor crosses devices")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _device_of(layer) -> str | None:
+    return layer.device if isinstance(layer, OnDevice) else None
+
+
+def placement_summary(model: keras.Model) -> PlacementSummary:
+    """Tabulates the device of each layer and the tensors that cross devices.
+
+    Args:
+        model: A built functional or Sequential model, placed with
+            `device_scope` or `on_device` (unplaced layers are listed with
+            device None: they run wherever the model runs).
+
+    Returns:
+        A `PlacementSummary`: printable, with the data in `.rows` and
+        `.crossings`.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti
+    inputs = keras.Input((8,))
+    with kerasmulti.device_scope("/cpu:0"):
+        hidden = keras.layers.Dense(4)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    print(kerasmulti.placement_summary(model))
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "placement_summary() describes a keras.Model. "
+            f"Received: model={type(model).__name__}"
+        )
+    rows, crossings = [], []
+    for layer in model.layers:
+        inner = layer.layer if isinstance(layer, OnDevice) else layer
+        rows.append(
+            {
+                "layer": layer.name,
+                "type": type(inner).__name__,
+                "device": _device_of(layer),
+                "params": int(sum(math.prod(w.shape) for w in layer.weights)),
+            }
+        )
+        for node in getattr(layer, "_inbound_nodes", []):
+            for tensor in node.input_tensors:
+                source = tensor._keras_history.operation
+                if _device_of(source) != _device_of(layer):
+                    crossings.append(
+                        {
+                            "tensor": source.name,
+                            "from": _device_of(source),
+                            "to": _device_of(layer),
+                            "shape": tuple(tensor.shape),
+                        }
+                    )
+    return PlacementSummary(rows, crossings)
+

@@ -1,0 +1,194 @@
+"""Model parallelism: device_scope / on_device placement, proven by tracing."""
+
+import io
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasmulti
+
+RNG = np.random.default_rng()
+
+
+def _shared_lstm(placed=True):
+    tweet_a, tweet_b = keras.Input((6, 4), name="tweet_a"), keras.Input((6, 4), name="tweet_b")
+    shared_lstm = keras.layers.LSTM(8)
+    if placed:
+        with kerasmulti.device_scope("/cpu:1"):
+            encoded_a = shared_lstm(tweet_a)
+        with kerasmulti.device_scope("/cpu:2"):
+            encoded_b = shared_lstm(tweet_b)
+    else:
+        encoded_a, encoded_b = shared_lstm(tweet_a), shared_lstm(tweet_b)
+    merged = keras.layers.concatenate([encoded_a, encoded_b], axis=-1)
+    return keras.Model([tweet_a, tweet_b], keras.layers.Dense(1, activation="sigmoid")(merged))
+
+
+def _towers(placed=True):
+    def tower(name):
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4)], name=name)
+
+    a, b = tower("tower_a"), tower("tower_b")
+    if placed:
+        a, b = kerasmulti.on_device(a, "/cpu:1"), kerasmulti.on_device(b, "/cpu:2")
+    left, right = keras.Input((5,)), keras.Input((5,))
+    score = keras.layers.Dot(axes=1)([a(left), b(right)])
+    return keras.Model([left, right], score)
+
+
+def _op_devices(fn, specs, types):
+    graph = tf.function(fn).get_concrete_function(*specs).graph
+    return {op.device for op in graph.get_operations() if op.type in types}
+
+
+def _pairs(rows=12, shape=(6, 4)):
+    return [RNG.normal(size=(rows, *shape)).astype("float32") for _ in range(2)]
+
+
+def test_shared_lstm_example_keeps_one_set_of_weights_and_runs_each_call_on_its_device():
+    model = _shared_lstm()
+    wrappers = [layer for layer in model.layers if isinstance(layer, kerasmulti.OnDevice)]
+    assert [w.device for w in wrappers] == ["/device:CPU:1", "/device:CPU:2"]
+    assert wrappers[0].layer is wrappers[1].layer
+    assert len(model.weights) == 3 + 2  # one LSTM, one Dense
+    spec = tf.TensorSpec((None, 6, 4))
+    assert _op_devices(lambda a, b: model([a, b]), (spec, spec), {"While"}) == {"/device:CPU:1", "/device:CPU:2"}
+
+
+def test_results_and_training_equal_the_unplaced_model():
+    placed, plain = _shared_lstm(), _shared_lstm(placed=False)
+    plain.set_weights(placed.get_weights())
+    x, y = _pairs(), (RNG.random((12, 1)) > 0.5).astype("float32")
+    np.testing.assert_allclose(placed.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    for m in (placed, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(placed.fit(x, y, **fit).history["loss"], plain.fit(x, y, **fit).history["loss"], rtol=1e-5)
+    for a, b in zip(placed.weights, plain.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_reach_every_branch_and_training_steps_are_placed():
+    model = _towers()
+    x, y = _pairs(shape=(5,)), RNG.normal(size=(12, 1)).astype("float32")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    gradients = tape.gradient(loss, model.trainable_variables)
+    assert len(gradients) == 8
+    assert all(g is not None and float(tf.reduce_max(tf.abs(g))) > 0 for g in gradients)
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, epochs=1, verbose=0)
+    steps = {
+        "fit": (model.train_step, ((tf.constant(x[0]), tf.constant(x[1])), tf.constant(y))),
+        "evaluate": (model.test_step, ((tf.constant(x[0]), tf.constant(x[1])), tf.constant(y))),
+        "predict": (model.predict_step, ((tf.constant(x[0]), tf.constant(x[1])),)),
+    }
+    for name, (step, data) in steps.items():
+        devices = _op_devices(step, (data,), {"MatMul"})
+        assert {"/device:CPU:1", "/device:CPU:2"} <= devices, (name, devices)
+
+
+def test_on_device_in_sequential_and_subclassed_models():
+    class TwoDevices(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.first = kerasmulti.on_device(keras.layers.Dense(3), "/cpu:1")
+            self.second = kerasmulti.on_device(keras.layers.Dense(2), "/cpu:2")
+
+        def call(self, x):
+            return self.second(self.first(x))
+
+    sequential = keras.Sequential([keras.Input((4,)), kerasmulti.on_device(keras.layers.Dense(3), "/cpu:1"), keras.layers.Dense(2)])
+    subclassed = TwoDevices()
+    subclassed(np.zeros((1, 4), "float32"))
+    spec = tf.TensorSpec((None, 4))
+    assert _op_devices(lambda x: sequential(x), (spec,), {"MatMul"}) == {"/device:CPU:1", ""}
+    assert _op_devices(lambda x: subclassed(x), (spec,), {"MatMul"}) == {"/device:CPU:1", "/device:CPU:2"}
+
+
+def test_placement_and_sharing_survive_saving(tmp_path):
+    model = _shared_lstm()
+    x = _pairs()
+    path = str(tmp_path / "placed.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    wrappers = [layer for layer in loaded.layers if isinstance(layer, kerasmulti.OnDevice)]
+    assert [w.device for w in wrappers] == ["/device:CPU:1", "/device:CPU:2"]
+    assert wrappers[0].layer is wrappers[1].layer
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def _move_in_file(path, old, new):
+    """Rewrites a .keras file as if saved on a machine with other devices."""
+    with zipfile.ZipFile(path) as source:
+        files = {name: source.read(name) for name in source.namelist()}
+    files["config.json"] = files["config.json"].replace(old.encode(), new.encode())
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as target:
+        for name, data in files.items():
+            target.writestr(name, data)
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue())
+
+
+def test_missing_device_runs_anyway_with_one_warning_and_can_be_remapped(tmp_path):
+    model = _shared_lstm()
+    x = _pairs()
+    path = str(tmp_path / "elsewhere.keras")
+    model.save(path)
+    _move_in_file(path, "/device:CPU:2", "/device:GPU:7")
+    loaded = keras.models.load_model(path)
+    with pytest.warns(UserWarning, match=r"placed on /device:GPU:7, which this machine does not have.*remap_devices") as record:
+        got = loaded.predict(x, verbose=0)
+        loaded(x)
+    assert sum("GPU:7" in str(w.message) for w in record) == 1
+    np.testing.assert_allclose(got, model.predict(x, verbose=0), rtol=1e-6)
+    kerasmulti.remap_devices(loaded, {"/gpu:7": "/cpu:0"})
+    spec = tf.TensorSpec((None, 6, 4))
+    assert _op_devices(lambda a, b: loaded([a, b]), (spec, spec), {"While"}) == {"/device:CPU:1", "/device:CPU:0"}
+
+
+def test_placement_summary_lists_devices_params_and_crossings():
+    summary = kerasmulti.placement_summary(_towers())
+    rows = {row["layer"]: row for row in summary.rows}
+    assert rows["tower_a_on_cpu1"]["device"] == "/device:CPU:1"
+    assert rows["tower_a_on_cpu1"]["params"] == 5 * 8 + 8 + 8 * 4 + 4
+    assert rows["tower_b_on_cpu2"]["type"] == "Sequential"
+    assert [row["device"] for row in summary.rows if row["type"] == "Dot"] == [None]
+    crossings = {(c["tensor"], c["from"], c["to"]) for c in summary.crossings}
+    assert ("tower_a_on_cpu1", "/device:CPU:1", None) in crossings
+    assert ("tower_b_on_cpu2", "/device:CPU:2", None) in crossings
+    text = str(summary)
+    assert "tower_a_on_cpu1" in text and "/device:CPU:2" in text and "tensors crossing devices" in text
+
+
+def test_device_names_are_checked_like_parallelize():
+    with pytest.raises(kerasmulti.DeviceError, match=r"does not exist.*Known devices: /device:CPU:0.*Received: device='/gpu:5'"):
+        with kerasmulti.device_scope("/gpu:5"):
+            pass
+    with pytest.raises(kerasmulti.DeviceError, match=r"Received: device='/cpu:9'"):
+        kerasmulti.on_device(keras.layers.Dense(2), "/cpu:9")
+    with pytest.raises(kerasmulti.DeviceError, match=r"remap_devices\(\).*Received: device='/gpu:1'"):
+        kerasmulti.remap_devices(_towers(), {"/cpu:1": "/gpu:1"})
+    with pytest.raises(TypeError, match=r"places a Keras layer.*Received: layer=function"):
+        kerasmulti.on_device(lambda x: x, "/cpu:0")
+    with pytest.raises(TypeError, match=r"describes a keras.Model.*Received: model=Dense"):
+        kerasmulti.placement_summary(keras.layers.Dense(1))
+
+
+def test_scopes_nest_and_end_cleanly():
+    inputs = keras.Input((3,))
+    with kerasmulti.device_scope("/cpu:1"):
+        a = keras.layers.Dense(2, name="outer")(inputs)
+        with kerasmulti.device_scope("/cpu:2"):
+            b = keras.layers.Dense(2, name="inner")(a)
+    c = keras.layers.Dense(1, name="after")(b)
+    model = keras.Model(inputs, c)
+    devices = {row["layer"]: row["device"] for row in kerasmulti.placement_summary(model).rows}
+    assert devices["outer_on_cpu1"] == "/device:CPU:1"
+    assert devices["inner_on_cpu2"] == "/device:CPU:2"
+    assert devices["after"] is None
+    assert keras.layers.Layer.__call__.__name__ == "__call__"  # the scope's hook is gone
