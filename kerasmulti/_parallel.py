@@ -59,8 +59,11 @@ class ParallelModel(keras.Model):
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Configures training as `keras.Model.compile`.
 
-        XLA compiles a step for one device, which would undo the placement of
-        the replicas, so `jit_compile` stays off with several devices.
+        The template is compiled with the same settings and shares the
+        optimizer, so it can be evaluated on one device and saved with its
+        training state. XLA compiles a step for one device, which would undo
+        the placement of the replicas, so `jit_compile` stays off with several
+        devices.
         """
         if jit_compile is True and len(self._replica_devices) > 1:
             raise ValueError(
@@ -70,7 +73,11 @@ class ParallelModel(keras.Model):
                 "devices. Leave jit_compile='auto' (off here) or pass False. "
                 "Received: jit_compile=True"
             )
-        return super().compile(*args, jit_compile=jit_compile, **kwargs)
+        super().compile(*args, jit_compile=jit_compile, **kwargs)
+        # The template is compiled alike, sharing the optimizer: files saved
+        # from either hold the training state, and a backup's layout is the
+        # same in every process (it does not depend on whether a save ran).
+        self._template.compile(**dict(self._compile_config.config, optimizer=self.optimizer))
 
     def _resolve_auto_jit_compile(self):
         if len(self._replica_devices) > 1:
@@ -169,19 +176,16 @@ class ParallelModel(keras.Model):
     def save(self, filepath, *args, **kwargs):
         """Saves the template model (see `keras.Model.save`).
 
-        When the parallel model is compiled and the file is a `.keras` file,
-        the template is compiled with the same settings and shares its
-        optimizer, so the file holds the compile configuration and optimizer
-        state, as `ModelCheckpoint` on a compiled model would, and
+        The template carries the parallel model's compile settings and
+        optimizer (see `compile`), so a `.keras` file holds them, as
+        `ModelCheckpoint` on a compiled model would, and
         `keras.models.load_model` returns a model ready to evaluate or
-        continue training. Legacy `.h5` files hold the template uncompiled:
-        Keras' legacy loader cannot read back some compile settings (such as
-        `loss="mse"`).
+        continue training. Legacy `.h5` files are written without them
+        (`include_optimizer=False`): Keras' legacy loader cannot read back
+        some compile settings, such as `loss="mse"`.
         """
-        keras_format = str(filepath).endswith(".keras")
-        if keras_format and self.compiled and getattr(self._template, "optimizer", None) is not self.optimizer:
-            config = dict(self._compile_config.config, optimizer=self.optimizer)
-            self._template.compile(**config)
+        if str(filepath).endswith(".h5"):
+            kwargs.setdefault("include_optimizer", False)
         return self._template.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):

@@ -116,7 +116,9 @@ class OnDevice(keras.layers.Layer):
     def compute_output_spec(self, inputs, *args, training=None, **kwargs):
         # A symbolic call, not compute_output_spec: it also builds the layer,
         # so its weights exist when the model is built, saved or loaded.
-        with _suspended():
+        # Under the device scope: a layer built here creates its weights on
+        # its device, so placement also splits the memory of the weights.
+        with _suspended(), self._scope():
             return self.layer(inputs, *args, **kwargs)
 
     def get_config(self):
@@ -250,6 +252,10 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
         mapping: Old device name to new one, e.g. `{"/gpu:1": "/gpu:0"}`. The
             new names are checked like `parallelize`'s.
 
+    Only the computation moves: weights stay where they were created. The
+    model's compiled fit/evaluate/predict steps are dropped, so the next call
+    traces them again with the new devices.
+
     Returns:
         The same model, for chaining.
 
@@ -268,6 +274,10 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if isinstance(layer, OnDevice) and layer.device in moves:
             layer.device = moves[layer.device]
+    # fit/evaluate/predict keep their traced steps, with the old devices in them.
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)
     return model
 
 
@@ -278,7 +288,9 @@ class PlacementSummary:
 
     Attributes:
         rows: One dict per layer: `layer`, `type`, `device` (None where the
-            layer runs wherever the model runs) and `params`.
+            layer runs wherever the model runs), `params` and
+            `shares_weights_with` (the row that counts a shared layer's
+            weights; its own `params` is then 0).
         crossings: One dict per tensor that moves between devices: `tensor`
             (the producing layer), `from` and `to` devices, and `shape`.
 
@@ -299,8 +311,9 @@ class PlacementSummary:
         lines = [f"{'layer':<28}{'type':<20}{'device':<18}{'params':>10}"]
         lines.append("-" * len(lines[0]))
         for row in self.rows:
+            shared = f"  (weights of {row['shares_weights_with']})" if row["shares_weights_with"] else ""
             lines.append(
-                f"{row['layer']:<28}{row['type']:<20}{row['device'] or '(default)':<18}{row['params']:>10,}"
+                f"{row['layer']:<28}{row['type']:<20}{row['device'] or '(default)':<18}{row['params']:>10,}{shared}"
             )
         lines.append("")
         if self.crossings:
@@ -349,15 +362,18 @@ def placement_summary(model: keras.Model) -> PlacementSummary:
             "placement_summary() describes a keras.Model. "
             f"Received: model={type(model).__name__}"
         )
-    rows, crossings = [], []
+    rows, crossings, owners = [], [], {}
     for layer in model.layers:
         inner = layer.layer if isinstance(layer, OnDevice) else layer
+        # A layer shared by several wrappers counts its weights once.
+        owner = owners.setdefault(id(inner), layer.name)
         rows.append(
             {
                 "layer": layer.name,
                 "type": type(inner).__name__,
                 "device": _device_of(layer),
-                "params": int(sum(math.prod(w.shape) for w in layer.weights)),
+                "params": int(sum(math.prod(w.shape) for w in layer.weights)) if owner == layer.name else 0,
+                "shares_weights_with": None if owner == layer.name else owner,
             }
         )
         for node in getattr(layer, "_inbound_nodes", []):

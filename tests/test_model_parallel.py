@@ -54,6 +54,12 @@ def test_shared_lstm_example_keeps_one_set_of_weights_and_runs_each_call_on_its_
     assert [w.device for w in wrappers] == ["/device:CPU:1", "/device:CPU:2"]
     assert wrappers[0].layer is wrappers[1].layer
     assert len(model.weights) == 3 + 2  # one LSTM, one Dense
+    # The shared LSTM's weights were created under the first scope that built it.
+    assert all(w.value.device.endswith("CPU:1") for w in wrappers[0].layer.weights)
+    rows = {row["layer"]: row for row in kerasmulti.placement_summary(model).rows}
+    assert rows[wrappers[1].name]["params"] == 0
+    assert rows[wrappers[1].name]["shares_weights_with"] == wrappers[0].name
+    assert rows[wrappers[0].name]["params"] == sum(int(np.prod(w.shape)) for w in wrappers[0].layer.weights)
     spec = tf.TensorSpec((None, 6, 4))
     assert _op_devices(lambda a, b: model([a, b]), (spec, spec), {"While"}) == {"/device:CPU:1", "/device:CPU:2"}
 
@@ -140,13 +146,14 @@ def test_missing_device_runs_anyway_with_one_warning_and_can_be_remapped(tmp_pat
     path = str(tmp_path / "elsewhere.keras")
     model.save(path)
     _move_in_file(path, "/device:CPU:2", "/device:GPU:7")
-    loaded = keras.models.load_model(path)
     with pytest.warns(UserWarning, match=r"placed on /device:GPU:7, which this machine does not have.*remap_devices") as record:
+        loaded = keras.models.load_model(path)
         got = loaded.predict(x, verbose=0)
         loaded(x)
     assert sum("GPU:7" in str(w.message) for w in record) == 1
     np.testing.assert_allclose(got, model.predict(x, verbose=0), rtol=1e-6)
     kerasmulti.remap_devices(loaded, {"/gpu:7": "/cpu:0"})
+    assert loaded.predict_function is None  # the step traced with the old devices is dropped
     spec = tf.TensorSpec((None, 6, 4))
     assert _op_devices(lambda a, b: loaded([a, b]), (spec, spec), {"While"}) == {"/device:CPU:1", "/device:CPU:0"}
 

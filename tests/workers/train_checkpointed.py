@@ -40,7 +40,8 @@ if args.backup:
     callbacks.append(kerasmulti.ParallelBackupAndRestore(os.path.join(args.folder, "backup")))
 callbacks.append(
     keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs: print("training", flush=True),
+        # Printed after the checkpoint callback (earlier in the list) has saved.
+        on_train_batch_end=lambda batch, logs: batch == 0 and print("checkpointed", flush=True),
         on_epoch_end=lambda epoch, logs: print(f"epoch {epoch + 1} done", flush=True),
     )
 )
