@@ -1,8 +1,9 @@
 """What the benchmark scripts share: devices, timing, failures and reporting.
 
-Imported by `bench_data_parallel.py` and `bench_inference.py` (their folder is
-on `sys.path` when they run as `python benchmarks/<script>.py`, in the child
-processes of `bench_inference.py` too). It holds:
+Imported by `bench_data_parallel.py`, `bench_inference.py` and
+`bench_model_parallel.py` (their folder is on `sys.path` when they run as
+`python benchmarks/<script>.py`, in the child processes of `bench_inference.py`
+too). It holds:
 
 - the TensorFlow environment defaults, set on import, before TensorFlow loads;
 - `configure_devices`: the N replica devices (GPUs, or logical CPU devices with
