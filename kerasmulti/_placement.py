@@ -110,8 +110,11 @@ class OnDevice(keras.layers.Layer):
     def call(self, inputs, *args, training=None, **kwargs):
         if self._call_has_training:
             kwargs["training"] = training
-        with _suspended(), self._scope():
-            return self.layer(inputs, *args, **kwargs)
+        scope = self._scope()
+        if isinstance(scope, contextlib.nullcontext):
+            with _suspended():
+                return self.layer(inputs, *args, **kwargs)
+        return _on_device_with_gradients(self.layer, self.device, inputs, args, kwargs)
 
     def compute_output_spec(self, inputs, *args, training=None, **kwargs):
         # A symbolic call, not compute_output_spec: it also builds the layer,
@@ -134,6 +137,44 @@ class OnDevice(keras.layers.Layer):
         layer = _shared_layer(config.pop("layer"))
         # Devices are not checked here: the file may come from another machine.
         return cls(layer, config.pop("device"), _validated=True, **config)
+
+
+def _on_device_with_gradients(layer, device, inputs, args, kwargs):
+    """Calls `layer` on `device`, and computes its gradients there too.
+
+    A gradient tape builds the backward pass under the device scope active
+    when the gradient is taken (Keras' train step: none), not where the
+    forward ops ran. This call records its own forward pass and, in its
+    custom gradient, takes the gradient inside `tf.device(device)`, so the
+    backward pass of the branch runs on the branch's device.
+    """
+    flat_inputs = keras.tree.flatten(inputs)
+    results = {}
+
+    @tf.custom_gradient
+    def forward(*flat):
+        with tf.GradientTape() as tape, _suspended(), tf.device(device):
+            tape.watch([t for t in flat if t.dtype.is_floating])
+            outputs = layer(keras.tree.pack_sequence_as(inputs, list(flat)), *args, **kwargs)
+        results["outputs"] = outputs
+        flat_outputs = keras.tree.flatten(outputs)
+
+        def grad(*upstream, variables=None):
+            variables = list(variables or [])
+            with tf.device(device):
+                gradients = tape.gradient(
+                    flat_outputs, list(flat) + variables, output_gradients=list(upstream),
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            input_gradients = [
+                g if t.dtype.is_floating else None for g, t in zip(gradients[: len(flat)], flat)
+            ]
+            return input_gradients, gradients[len(flat):]
+
+        return flat_outputs, grad
+
+    flat_outputs = forward(*[tf.convert_to_tensor(t) for t in flat_inputs])
+    return keras.tree.pack_sequence_as(results["outputs"], list(flat_outputs))
 
 
 def _shared_layer(layer_config):

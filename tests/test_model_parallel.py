@@ -96,6 +96,18 @@ def test_gradients_reach_every_branch_and_training_steps_are_placed():
         devices = _op_devices(step, (data,), {"MatMul"})
         assert {"/device:CPU:1", "/device:CPU:2"} <= devices, (name, devices)
 
+    def matmuls(step, data):
+        graph = tf.function(step).get_concrete_function(data).graph
+        return [op.device for op in graph.get_operations() if op.type == "MatMul"]
+
+    forward = matmuls(*steps["predict"])
+    training = matmuls(*steps["fit"])
+    # The backward pass runs on each branch's device too: more placed MatMuls
+    # than the forward pass has, and none left on the default device.
+    assert training.count("/device:CPU:1") > forward.count("/device:CPU:1") == 2
+    assert training.count("/device:CPU:2") > forward.count("/device:CPU:2") == 2
+    assert "" not in training
+
 
 def test_on_device_in_sequential_and_subclassed_models():
     class TwoDevices(keras.Model):
