@@ -168,14 +168,15 @@ def _check_writable(filepath: str) -> None:
 
 
 class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
-    """`BackupAndRestore` that resumes a parallel model exactly.
+    """`BackupAndRestore` that resumes a parallel model exactly, and survives a kill.
 
-    Keras' callback backs up `model.save_weights()`, which on a parallel model
-    holds only the template's weights. This one backs up the whole training
-    state (the template's weights and the optimizer, which belongs to the
-    parallel model), writes it atomically, and restores it when the same
-    training command runs again: epoch, weights and optimizer state continue
-    where the interrupted run stopped. Arguments are those of
+    It backs up the whole training state of a parallel model (the template's
+    weights and the optimizer), writes it to a temporary file renamed into
+    place, with the epoch stored inside that file (Keras writes the weights in
+    place and the epoch in a separate JSON file, so a kill in between can
+    tear the backup or pair new weights with an old epoch), and restores it
+    when the same training command runs again: epoch, weights and optimizer
+    state continue where the interrupted run stopped. Arguments are those of
     `keras.callbacks.BackupAndRestore`.
 
     Args:
