@@ -34,11 +34,11 @@ from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
 from kerasmulti._placement import OnDevice  # noqa: E402
-from kerasmulti._placement import PlacementSummary  # noqa: E402
 from kerasmulti._placement import device_scope  # noqa: E402
 from kerasmulti._placement import on_device  # noqa: E402
-from kerasmulti._placement import placement_summary  # noqa: E402
 from kerasmulti._placement import remap_devices  # noqa: E402
+from kerasmulti._summary import PlacementSummary  # noqa: E402
+from kerasmulti._summary import placement_summary  # noqa: E402
 
 __version__ = "0.1.0"
 

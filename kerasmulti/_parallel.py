@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Sequence
 
 import keras
 import tensorflow as tf
-from keras import tree
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -152,9 +152,7 @@ class ParallelModel(keras.Model):
         if trainable:
             self.optimizer.apply_gradients(zip(gradients, trainable))
         else:
-            import warnings
-
-            warnings.warn("The model does not have any trainable weights.")
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _slice(self, structure, shards):
