@@ -203,3 +203,23 @@ def run_reporting(main: Callable[[], object]) -> None:
     except Exception:  # printed, never raised
         traceback.print_exc()
     sys.exit(0)
+
+
+def print_train_predict_table(variants, label: str, width: int) -> None:
+    """Median train and predict samples/s per variant, the ratio to the first
+    variant (`label` heads the ratio columns), then the per-repeat numbers."""
+    base_train, base_predict = median(variants[0].train), median(variants[0].predict)
+    header = f"{'variant':<{width}}{'train/s':>10}{label:>8}{'predict/s':>11}{label:>8}"
+    print(header)
+    print("-" * len(header))
+    for v in variants:
+        train, predict = median(v.train), median(v.predict)
+        print(
+            f"{v.name:<{width}}{fmt(train, '.0f'):>10}{fmt(ratio(train, base_train), '.2f'):>8}"
+            f"{fmt(predict, '.0f'):>11}{fmt(ratio(predict, base_predict), '.2f'):>8}"
+        )
+    print("\nPer-repeat samples/s (train | predict), to judge the noise:")
+    for v in variants:
+        runs = " ".join(f"{t:.0f}" for t in v.train)
+        preds = " ".join(f"{p:.0f}" for p in v.predict)
+        print(f"  {v.name:<{width}}" + (f"FAILED: {v.error}" if v.error else f"{runs} | {preds}"))

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import check, configure_devices, fmt, make_parser, median, print_environment
-from _common import ratio, record_failure, run_reporting, scaled, timed_rounds, warn_missing_devices
+from _common import check, configure_devices, make_parser, median, print_environment, print_train_predict_table
+from _common import record_failure, run_reporting, scaled, timed_rounds, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
@@ -185,21 +185,7 @@ def benchmark(variants: list[Variant], sizes: Sizes) -> None:
 
 
 def print_table(variants: list[Variant]) -> None:
-    bare_train, bare_predict = median(variants[0].train), median(variants[0].predict)
-    header = f"{'variant':<24}{'train/s':>10}{'x bare':>8}{'predict/s':>11}{'x bare':>8}"
-    print(header)
-    print("-" * len(header))
-    for v in variants:
-        train, predict = median(v.train), median(v.predict)
-        print(
-            f"{v.name:<24}{fmt(train, '.0f'):>10}{fmt(ratio(train, bare_train), '.2f'):>8}"
-            f"{fmt(predict, '.0f'):>11}{fmt(ratio(predict, bare_predict), '.2f'):>8}"
-        )
-    print("\nPer-repeat samples/s (train | predict), to judge the noise:")
-    for v in variants:
-        runs = " ".join(f"{t:.0f}" for t in v.train)
-        preds = " ".join(f"{p:.0f}" for p in v.predict)
-        print(f"  {v.name:<24}" + (f"FAILED: {v.error}" if v.error else f"{runs} | {preds}"))
+    print_train_predict_table(variants, "x bare", 24)
 
 
 def print_checks(variants: list[Variant], n: int) -> None:

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import check, configure_devices, error_summary, fmt, make_parser, median
-from _common import print_environment, ratio, record_failure, run_reporting, scaled
+from _common import check, configure_devices, error_summary, make_parser, median, print_train_predict_table
+from _common import print_environment, record_failure, run_reporting, scaled
 from _common import timed_rounds, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
@@ -308,21 +308,7 @@ def benchmark(variants: list[Variant], sizes: Sizes, n: int) -> None:
 
 
 def print_table(variants: list[Variant]) -> None:
-    base_train, base_predict = median(variants[0].train), median(variants[0].predict)
-    header = f"{'variant':<28}{'train/s':>10}{'x one':>8}{'predict/s':>11}{'x one':>8}"
-    print(header)
-    print("-" * len(header))
-    for v in variants:
-        train, predict = median(v.train), median(v.predict)
-        print(
-            f"{v.name:<28}{fmt(train, '.0f'):>10}{fmt(ratio(train, base_train), '.2f'):>8}"
-            f"{fmt(predict, '.0f'):>11}{fmt(ratio(predict, base_predict), '.2f'):>8}"
-        )
-    print("\nPer-repeat samples/s (train | predict), to judge the noise:")
-    for v in variants:
-        runs = " ".join(f"{t:.0f}" for t in v.train)
-        preds = " ".join(f"{p:.0f}" for p in v.predict)
-        print(f"  {v.name:<28}" + (f"FAILED: {v.error}" if v.error else f"{runs} | {preds}"))
+    print_train_predict_table(variants, "x one", 28)
 
 
 def print_checks(variants: list[Variant], n: int) -> None:
