@@ -1,4 +1,4 @@
-"""The `kerasmulti` command: `demo`, `devices`, `predict`.
+"""The `kerasmulti` command: `demo`, `devices`, `predict`, `launch`.
 
 Device simulation has to happen before TensorFlow initialises its devices, so
 the command simulates devices (without GPUs) before anything else runs. Errors a user can fix are printed as one message with a
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 DEFAULT_SIMULATED = 2
@@ -42,6 +43,15 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
     predict.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
     predict.add_argument("--batch-size", type=int, default=32)
+    launch = commands.add_parser(
+        "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
+    )
+    launch.add_argument("--workers", type=int, help="local worker processes on free localhost ports")
+    launch.add_argument("--devices-per-worker", type=int, help="simulated devices per worker (without GPUs)")
+    launch.add_argument("--hosts", help="a real cluster: host1:port,host2:port (with --index)")
+    launch.add_argument("--index", type=int, help="which of --hosts this machine is")
+    launch.add_argument("script", help="the Python script each worker runs")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
 
@@ -62,8 +72,32 @@ def _simulate_without_gpus(requested: int | None) -> None:
     kerasmulti.simulate_devices(requested)
 
 
+def _launch(args) -> int:
+    from kerasmulti import _launch
+
+    command = [sys.executable, args.script, *args.args]
+    if args.hosts is not None:
+        if args.workers is not None:
+            raise _launch.LaunchError(
+                "Pass either --workers (local processes) or --hosts with --index (one "
+                f"worker of a real cluster), not both. Received: workers={args.workers}, hosts={args.hosts!r}"
+            )
+        hosts = _launch.parse_hosts(args.hosts, args.index)
+        env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index)}
+        return subprocess.call(command, env=env)
+    if args.workers is None and os.environ.get("TF_CONFIG"):
+        return subprocess.call(command)  # an existing TF_CONFIG: run this worker as it says
+    return _launch.run_workers(command, args.workers, args.devices_per_worker)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "launch":
+        try:
+            return _launch(args)
+        except ValueError as error:
+            print(f"kerasmulti: error: {error}", file=sys.stderr)
+            return 2
     try:
         _simulate_without_gpus(args.simulate)
         import kerasmulti

@@ -1,0 +1,95 @@
+"""kerasmulti launch: workers on free localhost ports, TF_CONFIG, first failure wins."""
+
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from kerasmulti import _launch
+
+WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+
+
+def _kerasmulti(*args, env=None, timeout=180):
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
+    environment.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    return subprocess.run(
+        [sys.executable, "-m", "kerasmulti._cli", "launch", *args],
+        capture_output=True, text=True, env=environment, timeout=timeout,
+    )
+
+
+def test_workers_get_their_tf_config_and_prefixed_output():
+    result = _kerasmulti("--workers", "3", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"), "a", "--b")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[worker"))
+    assert lines == [f"[worker {i}] index={i} workers=3 devices=2 args=['a', '--b']" for i in range(3)]
+
+
+def test_first_failure_stops_the_others_and_sets_the_exit_code():
+    start = time.monotonic()
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "fail-1", "hang-0")
+    assert result.returncode == 3
+    assert time.monotonic() - start < 60  # the hanging worker did not keep it waiting
+    assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
+
+
+def test_hosts_and_index_build_tf_config_for_this_machine():
+    result = _kerasmulti("--hosts", "10.0.0.1:2222,10.0.0.2:2222", "--index", "1", os.path.join(WORKERS, "cluster_info.py"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "index=1 workers=2" in result.stdout
+
+
+def test_an_existing_tf_config_is_used_as_it_is():
+    config = _launch.tf_config(["localhost:1", "localhost:2", "localhost:3"], 2)
+    result = _kerasmulti(os.path.join(WORKERS, "cluster_info.py"), env={"TF_CONFIG": config})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "index=2 workers=3" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--hosts", "a:1,b", "--index", "0"], "'b' is not one. Received: hosts='a:1,b'"),
+        (["--hosts", "a:1,a:1", "--index", "0"], "same worker twice. Received: hosts='a:1,a:1'"),
+        (["--hosts", "a:1,b:2", "--index", "2"], "0 to 1. Received: index=2"),
+        (["--hosts", "a:1,b:2"], "Received: index=None"),
+        (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
+        (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
+    ],
+)
+def test_bad_cluster_requests_are_refused(args, message):
+    result = _kerasmulti(*args, os.path.join(WORKERS, "cluster_info.py"))
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_free_ports_are_distinct():
+    ports = _launch.free_ports(5)
+    assert len(set(ports)) == 5
+
+
+@pytest.mark.slow
+def test_two_real_workers_with_different_data_end_equal_to_one_process(tmp_path):
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "mwms_step.py"), str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = np.load(tmp_path / "worker-0.npy"), np.load(tmp_path / "worker-1.npy")
+    np.testing.assert_array_equal(first, second)  # only an all-reduce makes them equal
+    # One process on the global batch (both workers' rows), same seed and steps.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    rows = [np.random.default_rng(i) for i in range(2)]
+    data = [(r.normal(size=(8, 4)).astype("float32"), r.normal(size=(8, 1)).astype("float32")) for r in rows]
+    x, y = np.concatenate([d[0] for d in data]), np.concatenate([d[1] for d in data])
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError(reduction="sum")(y, model(x)) / 16.0
+        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    expected = np.concatenate([w.ravel() for w in model.get_weights()])
+    np.testing.assert_allclose(first, expected, rtol=1e-5, atol=1e-6)

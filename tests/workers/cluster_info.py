@@ -1,0 +1,15 @@
+"""Prints what TF_CONFIG says about this worker; optional failure and hang for the launcher tests."""
+
+import json
+import os
+import sys
+import time
+
+config = json.loads(os.environ["TF_CONFIG"])
+index = config["task"]["index"]
+print(f"index={index} workers={len(config['cluster']['worker'])} "
+      f"devices={os.environ.get('KERASMULTI_SIMULATE_DEVICES')} args={sys.argv[1:]}", flush=True)
+if "fail-1" in sys.argv and index == 1:
+    sys.exit(3)
+if "hang-0" in sys.argv and index == 0:
+    time.sleep(300)
