@@ -28,7 +28,9 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -203,6 +205,64 @@ def run_reporting(main: Callable[[], object]) -> None:
     except Exception:  # printed, never raised
         traceback.print_exc()
     sys.exit(0)
+
+
+
+@dataclass
+class Sizes:
+    samples: int
+    batch_size: int
+    repeats: int
+
+
+@dataclass
+class TrainPredictVariant:
+    """One model variant timed for fit and predict (data- and model-parallel scripts)."""
+
+    name: str
+    model: keras.Model | None = None  # compiled; None if setup failed
+    scope: Callable[[], ContextManager] = contextlib.nullcontext  # around fit/predict
+    train: list = field(default_factory=list)  # samples/s per repeat
+    predict: list = field(default_factory=list)
+    error: str | None = None
+
+
+
+def _rows(x) -> int:
+    return len(keras.tree.flatten(x)[0])
+
+
+def time_fit(variant: TrainPredictVariant, x, y, batch_size: int, shuffle: bool = True) -> float:
+    with variant.scope():
+        start = time.perf_counter()
+        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=shuffle, verbose=0)
+        # Reading the loss waits for the device, so GPU work is not left out.
+        float(history.history["loss"][-1])
+        elapsed = time.perf_counter() - start
+    return _rows(x) / elapsed
+
+
+def time_predict(variant: TrainPredictVariant, x, batch_size: int) -> float:
+    with variant.scope():
+        start = time.perf_counter()
+        variant.model.predict(x, batch_size=batch_size, verbose=0)
+        elapsed = time.perf_counter() - start
+    return _rows(x) / elapsed
+
+
+def run_once(variant: TrainPredictVariant, x, y, batch_size: int, record: bool, shuffle: bool = True) -> None:
+    """One fit epoch and one predict; a failure disables the variant."""
+    if variant.error:
+        return
+    try:
+        train = time_fit(variant, x, y, batch_size, shuffle)
+        predict = time_predict(variant, x, batch_size)
+    except Exception as error:  # reported in the table, never raised
+        record_failure(variant, error)
+        return
+    if record:
+        variant.train.append(train)
+        variant.predict.append(predict)
 
 
 def print_train_predict_table(variants, label: str, width: int) -> None:

@@ -33,13 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
-from dataclasses import dataclass, field
-from typing import Callable, ContextManager
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import check, configure_devices, make_parser, median, print_environment, print_train_predict_table
-from _common import record_failure, run_reporting, scaled, timed_rounds, warn_missing_devices
+from _common import Sizes, TrainPredictVariant, record_failure, run_reporting, scaled, timed_rounds
+from _common import run_once, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
@@ -52,21 +50,7 @@ INPUT_SHAPE = (32, 32, 3)
 CLASSES = 10
 
 
-@dataclass
-class Sizes:
-    samples: int
-    batch_size: int
-    repeats: int
-
-
-@dataclass
-class Variant:
-    name: str
-    model: keras.Model | None = None  # compiled; None if setup failed
-    scope: Callable[[], ContextManager] = contextlib.nullcontext  # around fit/predict
-    train: list = field(default_factory=list)  # samples/s per repeat
-    predict: list = field(default_factory=list)
-    error: str | None = None
+Variant = TrainPredictVariant
 
 
 def build_model() -> keras.Model:
@@ -140,39 +124,6 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
             record_failure(variant, error)
         variants.append(variant)
     return variants
-
-
-def time_fit(variant: Variant, x, y, batch_size: int) -> float:
-    with variant.scope():
-        start = time.perf_counter()
-        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
-        # Reading the loss waits for the device, so GPU work is not left out.
-        float(history.history["loss"][-1])
-        elapsed = time.perf_counter() - start
-    return len(x) / elapsed
-
-
-def time_predict(variant: Variant, x, batch_size: int) -> float:
-    with variant.scope():
-        start = time.perf_counter()
-        variant.model.predict(x, batch_size=batch_size, verbose=0)
-        elapsed = time.perf_counter() - start
-    return len(x) / elapsed
-
-
-def run_once(variant: Variant, x, y, batch_size: int, record: bool) -> None:
-    """One fit epoch and one predict; a failure disables the variant."""
-    if variant.error:
-        return
-    try:
-        train = time_fit(variant, x, y, batch_size)
-        predict = time_predict(variant, x, batch_size)
-    except Exception as error:  # reported in the table, never raised
-        record_failure(variant, error)
-        return
-    if record:
-        variant.train.append(train)
-        variant.predict.append(predict)
 
 
 def benchmark(variants: list[Variant], sizes: Sizes) -> None:

@@ -52,15 +52,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, ContextManager
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import check, configure_devices, error_summary, make_parser, median, print_train_predict_table
 from _common import print_environment, record_failure, run_reporting, scaled
-from _common import timed_rounds, warn_missing_devices
+from _common import Sizes, TrainPredictVariant, run_once, timed_rounds, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
@@ -75,21 +72,7 @@ BRANCH_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CONVOLUTIONS = ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter")
 
 
-@dataclass
-class Sizes:
-    samples: int
-    batch_size: int
-    repeats: int
-
-
-@dataclass
-class Variant:
-    name: str
-    model: keras.Model | None = None  # compiled; None if setup failed
-    scope: Callable[[], ContextManager] = contextlib.nullcontext  # around fit/predict
-    train: list = field(default_factory=list)  # samples/s per repeat
-    predict: list = field(default_factory=list)
-    error: str | None = None
+Variant = TrainPredictVariant
 
 
 # --------------------------------------------------------------------- model
@@ -258,50 +241,17 @@ def check_weights_after_warmup(variants: list[Variant]) -> None:
 # -------------------------------------------------------------------- timing
 
 
-def time_fit(variant: Variant, x, y, batch_size: int) -> float:
-    with variant.scope():
-        start = time.perf_counter()
-        # Unshuffled, so both variants see the same batches and stay comparable.
-        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
-        # Reading the loss waits for the device, so GPU work is not left out.
-        float(history.history["loss"][-1])
-        elapsed = time.perf_counter() - start
-    return len(y) / elapsed
-
-
-def time_predict(variant: Variant, x, batch_size: int) -> float:
-    with variant.scope():
-        start = time.perf_counter()
-        variant.model.predict(x, batch_size=batch_size, verbose=0)
-        elapsed = time.perf_counter() - start
-    return len(x[0]) / elapsed
-
-
-def run_once(variant: Variant, x, y, batch_size: int, record: bool) -> None:
-    """One fit epoch and one predict; a failure disables the variant."""
-    if variant.error:
-        return
-    try:
-        train = time_fit(variant, x, y, batch_size)
-        predict = time_predict(variant, x, batch_size)
-    except Exception as error:  # reported in the table, never raised
-        record_failure(variant, error)
-        return
-    if record:
-        variant.train.append(train)
-        variant.predict.append(predict)
-
-
 def benchmark(variants: list[Variant], sizes: Sizes, n: int) -> None:
     x, y = make_data(sizes.samples, n)
     check_predictions(variants, x)
     # Warm-up: tracing and the first-call setup of each variant stay untimed.
     for variant in variants:
-        run_once(variant, x, y, sizes.batch_size, record=False)
+        # Unshuffled, so both variants see the same batches and stay comparable.
+        run_once(variant, x, y, sizes.batch_size, record=False, shuffle=False)
     check_weights_after_warmup(variants)
     print()
     # Timed: interleaved repeats (see timed_rounds); the table shows their median.
-    timed_rounds(variants, sizes.repeats, lambda v: run_once(v, x, y, sizes.batch_size, record=True))
+    timed_rounds(variants, sizes.repeats, lambda v: run_once(v, x, y, sizes.batch_size, record=True, shuffle=False))
 
 
 # ------------------------------------------------------------------- report
