@@ -123,3 +123,20 @@ def test_environment_variable_and_cli_threading_work_together():
     )
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) == 3
+
+
+def test_demo_without_scikit_learn_says_how_to_install_it(monkeypatch):
+    import builtins
+
+    from kerasmulti import _demo
+
+    real_import = builtins.__import__
+
+    def no_sklearn(name, *args, **kwargs):
+        if name.startswith("sklearn"):
+            raise ImportError("No module named 'sklearn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sklearn)
+    with pytest.raises(SystemExit, match=r"scikit-learn is not installed.*pip install 'kerasmulti\[demo\]'"):
+        _demo._digits()

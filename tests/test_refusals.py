@@ -72,3 +72,13 @@ def test_xla_is_refused_with_several_devices_and_off_by_default():
     single = kerasmulti.parallelize(model, gpus=1)
     single.compile(optimizer="sgd", loss="mse", jit_compile=True)
     assert single.jit_compile is True
+
+
+def test_batch_sizes_that_disagree_at_run_time_are_refused():
+    import tensorflow as tf
+
+    parallel = kerasmulti.parallelize(_two_inputs(), gpus=2)
+    step = tf.function(lambda a, b: parallel([a, b]))
+    spec = step.get_concrete_function(tf.TensorSpec((None, 2)), tf.TensorSpec((None, 3)))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="same batch size.*Received: different batch sizes"):
+        spec(tf.zeros((4, 2)), tf.zeros((5, 3)))
