@@ -65,6 +65,19 @@ def available_devices() -> list[str]:
     return [_canonical(d.name) for d in devices]
 
 
+def known_devices() -> list[str]:
+    """Canonical names of every logical device (CPUs and GPUs) of this process."""
+    # Listing initialises TensorFlow's devices, which cannot change afterwards,
+    # so the first answer stays true: OnDevice asks on every eager call.
+    global _KNOWN
+    if _KNOWN is None:
+        _KNOWN = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+    return list(_KNOWN)
+
+
+_KNOWN = None
+
+
 def _describe(devices: Sequence[str]) -> str:
     return f"{len(devices)} ({', '.join(devices)})"
 
@@ -236,12 +249,12 @@ def _known_name(name, known: list[str], caller: str, received: str) -> str:
 
 def resolve_device(device: str, caller: str) -> str:
     """One device name, canonical; a `DeviceError` listing the known ones if it does not exist."""
-    known = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+    known = known_devices()
     return _known_name(device, known, caller, f"device={device!r}")
 
 
 def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
-    known = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+    known = known_devices()
     if isinstance(devices, str) or not devices:
         raise DeviceError(
             f"{caller} expects devices as a non-empty list of TensorFlow device "

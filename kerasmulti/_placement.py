@@ -28,7 +28,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.common import global_state
 
-from kerasmulti._devices import _canonical, resolve_device
+from kerasmulti._devices import _canonical, known_devices, resolve_device
 
 _local = threading.local()
 _warned: set[str] = set()
@@ -92,7 +92,7 @@ class OnDevice(keras.layers.Layer):
         self.built = True
 
     def _scope(self):
-        known = {_canonical(d.name) for d in tf.config.list_logical_devices()}
+        known = known_devices()
         if self.device in known:
             return tf.device(self.device)
         if self.device not in _warned:

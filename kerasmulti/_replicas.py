@@ -116,9 +116,10 @@ def run(
         t.start()
     for t in threads:
         t.join()
-    first = next((e for e in errors if e and not isinstance(e, threading.BrokenBarrierError)), None)
-    if first is not None or any(errors):
-        raise first or next(e for e in errors if e)
+    failures = [e for e in errors if e is not None]
+    if failures:
+        # A BrokenBarrierError only says that another replica failed first.
+        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
     return results
 
 
