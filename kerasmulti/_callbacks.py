@@ -19,7 +19,7 @@ import h5py
 import keras
 
 from kerasmulti import _atomic
-from kerasmulti._parallel import ParallelModel, unwrap
+from kerasmulti._parallel import unwrap
 
 
 class _AtomicSaver:
@@ -28,12 +28,11 @@ class _AtomicSaver:
     Everything but saving is forwarded to the model being trained.
     """
 
-    _OWN = ("_trained", "_target", "_full_state")
+    _OWN = ("_trained", "_target")
 
-    def __init__(self, trained, target, full_state=False):
+    def __init__(self, trained, target):
         self._trained = trained
         self._target = target
-        self._full_state = full_state
 
     def __setattr__(self, name, value):
         # Callbacks set training state on their model (`_initial_epoch`,
@@ -47,16 +46,9 @@ class _AtomicSaver:
         _atomic.write(filepath, lambda tmp: self._target.save(tmp, overwrite=True, **kwargs))
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
-        if self._full_state:
-            # The wrapper's own state: the template's weights and the optimizer.
-            save = lambda tmp: keras.Model.save_weights(self._trained, tmp, overwrite=True)  # noqa: E731
-        else:
-            save = lambda tmp: self._target.save_weights(tmp, overwrite=True, **kwargs)  # noqa: E731
-        _atomic.write(filepath, save)
+        _atomic.write(filepath, lambda tmp: self._target.save_weights(tmp, overwrite=True, **kwargs))
 
     def load_weights(self, filepath, *args, **kwargs):
-        if self._full_state:
-            return keras.Model.load_weights(self._trained, filepath, *args, **kwargs)
         return self._target.load_weights(filepath, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -198,8 +190,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def set_model(self, model):
-        full_state = isinstance(model, ParallelModel)
-        super().set_model(_AtomicSaver(model, unwrap(model), full_state=full_state))
+        # A parallel model's weights file is its template's, which carries the
+        # shared optimizer (see ParallelModel.compile): the full training state.
+        super().set_model(_AtomicSaver(model, model))
 
     def _save_model(self):
         # Keras writes the weights, then the epoch in a JSON file: a kill in
