@@ -208,13 +208,11 @@ def parallel_predict(
         collected = []
         for batch, _ in _run(predict, source, 0, batch_size, verbose):
             collected.append(batch)
-        if not collected:
-            return []
         return tree.map_structure(lambda *parts: np.concatenate(parts), *collected)
 
     attributes = {
         "kerasmulti_model": _sources.model_fingerprint(template),
-        "kerasmulti_input": _sources.fingerprint(source),
+        "kerasmulti_input": _sources.fingerprint(source, sample),
         "kerasmulti_rows": source.rows,
     }
     outputs = predict(sample)
