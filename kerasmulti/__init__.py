@@ -27,6 +27,10 @@ from kerasmulti._devices import _simulate_from_environment  # noqa: E402
 
 _simulate_from_environment()
 
+from kerasmulti import _cluster  # noqa: E402
+
+_cluster.start()  # before TensorFlow's first op, which building a model runs
+
 from kerasmulti._parallel import ParallelModel  # noqa: E402
 from kerasmulti._parallel import parallelize  # noqa: E402
 from kerasmulti._parallel import unwrap  # noqa: E402

@@ -18,7 +18,7 @@ import shutil
 import h5py
 import keras
 
-from kerasmulti import _atomic
+from kerasmulti import _atomic, _cluster
 from kerasmulti._parallel import unwrap
 
 
@@ -43,9 +43,13 @@ class _AtomicSaver:
             setattr(self._trained, name, value)
 
     def save(self, filepath, overwrite=True, **kwargs):
+        if not _cluster.is_chief():
+            return  # in a cluster only the chief writes (every worker holds the same weights)
         _atomic.write(filepath, lambda tmp: self._target.save(tmp, overwrite=True, **kwargs))
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
+        if not _cluster.is_chief():
+            return
         _atomic.write(filepath, lambda tmp: self._target.save_weights(tmp, overwrite=True, **kwargs))
 
     def load_weights(self, filepath, *args, **kwargs):
@@ -71,6 +75,9 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     The Keras 2 form `ParallelModelCheckpoint(template_model, filepath, ...)`
     also works: `template_model` is then the model saved.
+
+    In a multi-worker cluster only the chief (worker 0) writes; the other
+    workers hold the same weights and never touch the file.
 
     Args:
         filepath: Where to save: ends in `.keras`, `.h5` (legacy HDF5) or,
@@ -121,7 +128,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().set_model(_AtomicSaver(model, target))
 
     def on_train_begin(self, logs=None):
-        _atomic.remove_stale_temporaries(self.filepath)
+        if _cluster.is_chief():  # another worker's temporary may be the chief's save in flight
+            _atomic.remove_stale_temporaries(self.filepath)
         # With an explicit mode, a metric that another callback adds to the
         # epoch logs is legitimate; Keras warns at save time if it is missing.
         self._monitor_checked = not (self.save_best_only and self.mode == "auto")
@@ -171,6 +179,10 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     state continue where the interrupted run stopped. Arguments are those of
     `keras.callbacks.BackupAndRestore`.
 
+    In a multi-worker cluster only the chief writes and deletes the backup;
+    every worker restores from it, so `backup_dir` must be a folder all
+    workers can read (a shared file system across machines).
+
     Args:
         backup_dir: Folder for the backup; deleted when training finishes.
         save_freq: `"epoch"`, or an int: back up every that many batches.
@@ -198,6 +210,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         # Keras writes the weights, then the epoch in a JSON file: a kill in
         # between pairs new weights with an old epoch. Here the epoch also
         # travels inside the weights file, which is replaced atomically.
+        if not _cluster.is_chief():
+            return
         os.makedirs(self.backup_dir, exist_ok=True)
         metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
         if self.double_checkpoint and os.path.exists(self._weights_path):
@@ -211,8 +225,13 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         _atomic.write(self._weights_path, save)
         _atomic.write(self._training_metadata_path, lambda tmp: _write_text(tmp, metadata))
 
+    def on_train_end(self, logs=None):
+        if _cluster.is_chief():
+            super().on_train_end(logs)
+
     def _load_model(self):
-        _atomic.remove_stale_temporaries(self._weights_path)
+        if _cluster.is_chief():
+            _atomic.remove_stale_temporaries(self._weights_path)
         super()._load_model()
         if os.path.exists(self._weights_path):
             with h5py.File(self._weights_path, "r") as f:

@@ -26,7 +26,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kerasmulti import _devices, _replicas, _split
+from kerasmulti import _cluster, _devices, _replicas, _split
 
 
 class ParallelModel(keras.Model):
@@ -355,6 +355,11 @@ def parallelize(
         )
     _refuse_unsplittable(model)
     replica_devices = _devices.resolve_devices(gpus, devices)
+    strategy = _cluster.strategy()
+    if strategy is not None:
+        from kerasmulti import _multiworker
+
+        return _multiworker.adopt(model, strategy)
     if cpu_relocation:
         _relocate_to_cpu(model)
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]

@@ -5,10 +5,7 @@ import subprocess
 import sys
 import time
 
-import keras
-import numpy as np
 import pytest
-import tensorflow as tf
 
 from kerasmulti import _launch
 
@@ -72,24 +69,3 @@ def test_bad_cluster_requests_are_refused(args, message):
 def test_free_ports_are_distinct():
     ports = _launch.free_ports(5)
     assert len(set(ports)) == 5
-
-
-@pytest.mark.slow
-def test_two_real_workers_with_different_data_end_equal_to_one_process(tmp_path):
-    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "mwms_step.py"), str(tmp_path), timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    first, second = np.load(tmp_path / "worker-0.npy"), np.load(tmp_path / "worker-1.npy")
-    np.testing.assert_array_equal(first, second)  # only an all-reduce makes them equal
-    # One process on the global batch (both workers' rows), same seed and steps.
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    optimizer = keras.optimizers.SGD(0.1)
-    rows = [np.random.default_rng(i) for i in range(2)]
-    data = [(r.normal(size=(8, 4)).astype("float32"), r.normal(size=(8, 1)).astype("float32")) for r in rows]
-    x, y = np.concatenate([d[0] for d in data]), np.concatenate([d[1] for d in data])
-    for _ in range(3):
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError(reduction="sum")(y, model(x)) / 16.0
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-    expected = np.concatenate([w.ravel() for w in model.get_weights()])
-    np.testing.assert_allclose(first, expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,120 @@
+"""The multi-worker cluster this process belongs to, read from `TF_CONFIG`.
+
+`MultiWorkerMirroredStrategy` (collective all-reduce across worker processes)
+configures TensorFlow's collective ops, which TensorFlow allows only before it
+runs its first op. A user's script builds its model before it calls
+`parallelize`, so `import kerasmulti` creates the strategy when `TF_CONFIG`
+names a cluster of several tasks, and `parallelize` adopts the model into it.
+Creating it waits until every worker has started (up to `STARTUP_TIMEOUT_S`).
+
+A dead peer is noticed by the strategy's health check, which aborts the
+collectives of the survivors: they stop with an error within about
+`HEALTH_INTERVAL_S` plus a few seconds, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ENV_CONFIG = "TF_CONFIG"
+STARTUP_TIMEOUT_S = int(os.environ.get("KERASMULTI_STARTUP_TIMEOUT", "600"))
+HEALTH_INTERVAL_S = int(os.environ.get("KERASMULTI_HEALTH_INTERVAL", "5"))
+
+_strategy = None
+_start_error: Exception | None = None
+
+
+class ClusterError(RuntimeError):
+    """This process's cluster (`TF_CONFIG`) cannot be used for training."""
+
+
+def config() -> dict | None:
+    """The parsed `TF_CONFIG` when it names a cluster of more than one task, else None."""
+    text = os.environ.get(ENV_CONFIG)
+    if not text:
+        return None
+    try:
+        parsed = json.loads(text)
+        tasks = sum(len(parsed["cluster"][job]) for job in ("chief", "worker") if job in parsed["cluster"])
+        task = parsed["task"]
+        task["type"], int(task["index"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ClusterError(
+            "TF_CONFIG must be JSON like {\"cluster\": {\"worker\": [\"host1:port\", "
+            "\"host2:port\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}; "
+            "`kerasmulti launch` writes it for you. "
+            f"({type(error).__name__}: {error}) Received: TF_CONFIG={text!r}"
+        ) from None
+    return parsed if tasks > 1 else None
+
+
+def is_chief() -> bool:
+    """Whether this process writes files and logs: the chief, or worker 0 without one."""
+    parsed = config()
+    if parsed is None:
+        return True
+    task = parsed["task"]
+    if "chief" in parsed["cluster"]:
+        return task["type"] == "chief"
+    return task["type"] == "worker" and int(task["index"]) == 0
+
+
+def _started_by_command_line() -> bool:
+    # `kerasmulti launch` with an existing TF_CONFIG imports this package but
+    # must not take the worker's port: the worker it starts does.
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.path.basename(sys.argv[0]) == "kerasmulti" or "kerasmulti._cli" in argv
+
+
+def start() -> None:
+    """Creates this process's `MultiWorkerMirroredStrategy` if `TF_CONFIG` names a cluster.
+
+    Called by `import kerasmulti`. A failure is kept and reported by
+    `strategy()`, so that importing never breaks a script.
+    """
+    global _strategy, _start_error
+    if _strategy is not None or _started_by_command_line():
+        return
+    try:
+        if config() is None:
+            return
+        import tensorflow as tf
+        from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+
+        extended = collective.CollectiveAllReduceExtended
+        extended._check_health_initial_timeout = STARTUP_TIMEOUT_S
+        extended._check_health_interval = HEALTH_INTERVAL_S
+        _strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    except Exception as error:  # reported where the cluster is first needed
+        _start_error = error
+
+
+def strategy():
+    """The process's `MultiWorkerMirroredStrategy`, or None outside a cluster.
+
+    Raises:
+        ClusterError: `TF_CONFIG` names a cluster, but the strategy could not
+            be created (TensorFlow ran before `import kerasmulti`, or the
+            other workers never started).
+    """
+    if _strategy is not None:
+        return _strategy
+    parsed = config()
+    if parsed is None:
+        return None
+    if isinstance(_start_error, RuntimeError) and "program startup" in str(_start_error):
+        raise ClusterError(
+            "This process is a worker of a TF_CONFIG cluster, but TensorFlow had "
+            "already run before `import kerasmulti`, and multi-worker training "
+            "must be set up before TensorFlow's first op. Import kerasmulti at "
+            "the top of the script, before building a model or creating any "
+            f"tensor. Received: TF_CONFIG task={parsed['task']}"
+        )
+    raise ClusterError(
+        "This process is a worker of a TF_CONFIG cluster, but joining the "
+        f"cluster failed: {_start_error}. Check that every worker in "
+        "TF_CONFIG was started and can reach the others. "
+        f"Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
+    )

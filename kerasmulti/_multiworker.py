@@ -1,0 +1,279 @@
+"""`parallelize` across worker processes, on `MultiWorkerMirroredStrategy`.
+
+The engine is TensorFlow's: the strategy all-reduces gradients between
+workers (and between the GPUs of each), shards the input, and broadcasts the
+chief's initial weights. kerasmulti adopts the user's model into it and works
+around what breaks Keras 3 `fit` there:
+
+- Adoption: each of the template's variables is re-created inside the
+  strategy's scope from its current value, so the template itself becomes the
+  distributed model. There is no clone to keep in sync: the object the user
+  holds, saves and checkpoints is the one being trained.
+- Keras' symbolic build reduces a per-replica batch, which crashes
+  (keras-team/keras#20585); the model is built from one replica's batch instead.
+- Keras averages a step's logs across workers along axis 0, which fails for
+  scalars; the steps return every log with a leading axis of one.
+- Keras scales each replica's loss by 1/replicas, which is exact only when the
+  global batch splits evenly. Each replica's loss is weighted by its share of
+  the global batch instead, so a remainder batch (even one that leaves a
+  replica empty) gives the gradient of one process on the whole batch.
+- BatchNormalization is synchronised across replicas while the steps trace,
+  so its statistics are those of the global batch, as on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src import tree
+from keras.src.losses import loss as loss_module
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+
+from kerasmulti import _cluster, _split
+from kerasmulti._parallel import ParallelModel
+
+
+class WorkerModel(ParallelModel):
+    """A parallel model whose replicas are all workers' devices; built by `parallelize`."""
+
+    def __init__(self, template, strategy):
+        self._strategy = strategy
+        devices = list(strategy.extended.worker_devices)
+        super().__init__(template, devices, devices[0])
+
+    @property
+    def num_workers(self) -> int:
+        return self._strategy.extended._num_workers
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """Configures training as `keras.Model.compile`, inside the strategy's scope.
+
+        An optimizer object made outside the scope (as usual) is re-created
+        inside it from its config, with its state if it has any: its slots
+        must be distributed like the weights. `parallel.optimizer` is then the
+        re-created one.
+        """
+        with self._strategy.scope():
+            super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """Trains as `keras.Model.fit`, every worker taking its part of each global batch.
+
+        Every worker passes the same global data (arrays or a `tf.data`
+        dataset batched with the global batch size); each keeps its own part
+        of every batch. Arrays are shuffled with a seed the workers share,
+        differently in every epoch, so each sample is seen once per epoch
+        across the cluster. For data that differs between workers (each
+        reads its own files), pass `x` as a function, as Keras 2's
+        `DatasetCreator` took: it gets a `tf.distribute.InputContext` and
+        returns this worker's `tf.data.Dataset`, batched per replica. Workers
+        whose data runs out first take empty batches until the others are
+        done, so uneven sizes train as one process would on the workers'
+        batches put together.
+        """
+        if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+            x = self._per_worker_dataset(x)
+        elif kwargs.get("shuffle", True) and array_data_adapter.can_convert_arrays((x, y)):
+            x, y, batch_size, kwargs = self._shuffled(x, y, batch_size, kwargs)
+        return self._on_all_workers(super().fit, (x, y, batch_size, *args), kwargs)
+
+    def _shuffled(self, x, y, batch_size, kwargs):
+        # Keras shuffles arrays with an unseeded op: each worker would draw
+        # its own order and keep its part of it, seeing some samples twice
+        # and others never. A dataset shuffled with the chief's seed draws the
+        # same order everywhere, and a new one each epoch.
+        sample_weight = kwargs.pop("sample_weight", None)
+        arrays = (x, y, sample_weight)
+        split = kwargs.pop("validation_split", 0.0)
+        if split and kwargs.get("validation_data") is None:
+            arrays, validation = array_slicing.train_validation_split(arrays, split)
+            kwargs["validation_data"] = validation
+        rows = _split.batch_size(arrays[0])
+        dataset = tf.data.Dataset.from_tensor_slices(
+            data_adapter_utils.pack_x_y_sample_weight(*arrays)
+        )
+        dataset = dataset.shuffle(rows, seed=self._seed, reshuffle_each_iteration=True)
+        kwargs["shuffle"] = False
+        return dataset.batch(batch_size or 32), None, None, kwargs
+
+    def _per_worker_dataset(self, dataset_fn):
+        strategy = self._strategy
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.num_workers,
+            input_pipeline_id=strategy.extended._id_in_cluster,
+            num_replicas_in_sync=strategy.num_replicas_in_sync,
+        )
+        local = _batches(dataset_fn(context))
+        counts = tf.function(_gather_one)(strategy, local)
+        steps = int(tf.reduce_max(counts))
+
+        def padded(context):
+            dataset = dataset_fn(context)
+            missing = steps - _batches(dataset)
+            if missing == 0:
+                return dataset
+            empty = tree.map_structure(
+                lambda spec: tf.zeros([0, *spec.shape[1:]], spec.dtype), dataset.element_spec
+            )
+            return dataset.concatenate(tf.data.Dataset.from_tensors(empty).repeat(missing))
+
+        return strategy.distribute_datasets_from_function(padded)
+
+    def _on_all_workers(self, method, args, kwargs):
+        if not _cluster.is_chief():
+            kwargs["verbose"] = 0  # one progress bar, the chief's
+        try:
+            return method(*args, **kwargs)
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
+            raise _cluster.ClusterError(
+                f"Multi-worker {method.__name__}() stopped because a worker of the "
+                "cluster is gone (killed, crashed or unreachable); the others cannot "
+                "go on without its part of every step. Start the whole job again: "
+                "with kerasmulti.ParallelBackupAndRestore among the callbacks it "
+                "resumes from the last epoch saved. "
+                f"Received: {type(error).__name__}: {_cause(error)}"
+            ) from error
+
+    def call(self, inputs, training=None):
+        return self._template(inputs, training=training)
+
+    def train_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        context = tf.distribute.get_replica_context()
+        local = tf.cast(_rows(x), "float32")
+        # Keras scales every replica's loss by 1/replicas; this makes it
+        # local/total instead (see the module docstring).
+        share = tf.math.divide_no_nan(
+            local * context.num_replicas_in_sync, context.all_reduce("sum", local)
+        )
+        trainable = self.trainable_weights
+        with tf.GradientTape() as tape, self._synchronized(bool(self._batchnorm)):
+            y_pred = self(x, training=True)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            scaled = self.optimizer.scale_loss(loss * share)
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=local
+        )
+        if trainable:
+            gradients = tape.gradient(scaled, trainable)
+            self.optimizer.apply_gradients(zip(gradients, trainable))
+        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    def test_step(self, data):
+        return _with_leading_axis(keras.Model.test_step(self, data))
+
+    def predict_step(self, data):
+        return keras.Model.predict_step(self, data)
+
+    def _synchronized(self, enabled):
+        if not enabled:
+            return contextlib.nullcontext()
+        return _synchronized_batchnorm(self._batchnorm)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras reduces the first distributed batch to build the model, which
+        # fails across workers; one replica's part has the shapes it needs.
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = next(batches)
+                break
+        data_batch = tree.map_structure(self._first_replica, data_batch)
+        with self._strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def _first_replica(self, value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self._strategy.experimental_local_results(value)[0]
+        return value
+
+    def summary(self, *args, **kwargs):
+        """Prints the template's summary, preceded by the cluster's replicas."""
+        print(
+            f"Data-parallel over {self._strategy.num_replicas_in_sync} replica(s) on "
+            f"{self.num_workers} worker(s); this worker's: {', '.join(self._replica_devices)}."
+        )
+        return self._template.summary(*args, **kwargs)
+
+
+def _in_scope(optimizer, strategy):
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    if getattr(optimizer, "_distribution_strategy", strategy) is strategy:
+        return optimizer
+    adopted = optimizer.__class__.from_config(optimizer.get_config())
+    if optimizer.built:
+        adopted.build([v for v in optimizer._trainable_variables])
+        for new, old in zip(adopted.variables, optimizer.variables):
+            new.assign(old)
+    return adopted
+
+
+@tf.autograph.experimental.do_not_convert
+def _gather_one(strategy, value):
+    return strategy.gather(strategy.run(lambda: tf.constant([value], "int64")), axis=0)
+
+
+def _batches(dataset) -> int:
+    count = int(dataset.cardinality())
+    if count < 0:
+        raise ValueError(
+            "A per-worker dataset function must return a dataset of known, "
+            "finite length, so that workers with fewer batches can be padded "
+            "to the others' count. Give it one with "
+            "`dataset.apply(tf.data.experimental.assert_cardinality(n))`, or "
+            "drop `.repeat()`. Received: cardinality="
+            f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}"
+        )
+    return count
+
+
+def _cause(error) -> str:
+    lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+    useful = [line for line in lines if "abort" in line or "unhealthy" in line or "down" in line]
+    return (useful or lines or [""])[0]
+
+
+def _rows(x):
+    return tf.shape(tree.flatten(x)[0])[0]
+
+
+def _with_leading_axis(logs):
+    return tree.map_structure(lambda value: tf.expand_dims(value, 0), logs)
+
+
+@contextlib.contextmanager
+def _synchronized_batchnorm(layers):
+    previous = [layer.synchronized for layer in layers]
+    for layer in layers:
+        layer.synchronized = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer.synchronized = value
+
+
+def adopt(template: keras.Model, strategy) -> WorkerModel:
+    """Moves the template's variables into `strategy` and wraps it for training.
+
+    The values are kept; the strategy then broadcasts the chief's, so every
+    worker starts from the chief's weights even if it built its model with
+    another seed. The chief also chooses the seed that shuffles arrays in
+    `fit`: each worker reads the same input and keeps its part of every
+    batch, so their shuffles must agree.
+    """
+    with strategy.scope():
+        seed = tf.Variable(np.random.randint(2**31 - 1), dtype="int64", trainable=False)
+        for variable in template.variables:
+            if not isinstance(variable.value, tf.distribute.DistributedValues):
+                variable._initialize(variable.value.read_value())
+        for attribute in ("train_function", "test_function", "predict_function"):
+            setattr(template, attribute, None)
+        parallel = WorkerModel(template, strategy)
+    parallel._seed = int(seed.numpy())
+    return parallel

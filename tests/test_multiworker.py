@@ -1,0 +1,96 @@
+"""parallelize() across real worker processes on localhost, against one process.
+
+Each test starts 2 TensorFlow processes (several seconds of import each), so
+they are marked slow; they still run in CI.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from kerasmulti import _launch
+
+WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERASMULTI_HEALTH_INTERVAL": "2"}
+ENV.pop("KERASMULTI_SIMULATE_DEVICES", None)
+ENV.pop("TF_CONFIG", None)
+
+pytestmark = pytest.mark.slow
+
+
+def _launch_workers(script, *args, timeout=300):
+    result = subprocess.run(
+        [sys.executable, "-m", "kerasmulti._cli", "launch", "--workers", "2", os.path.join(WORKERS, script), *args],
+        capture_output=True, text=True, env=ENV, timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result
+
+
+def _one_process(script, *args):
+    result = subprocess.run(
+        [sys.executable, os.path.join(WORKERS, script), *args],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_batch(tmp_path):
+    _launch_workers("multi_worker_fit.py", str(tmp_path))
+    _one_process("multi_worker_fit.py", str(tmp_path), "--reference")
+    reference = np.load(tmp_path / "reference.npz")
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    for key in reference.files:  # arrays, dataset and per-worker data phases
+        np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
+    assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local"}
+    # Shuffled arrays: the workers see complementary halves, together every
+    # sample once per epoch, in a new order each epoch.
+    seen = [w["coverage/seen"] for w in workers]
+    np.testing.assert_array_equal(seen[0] + seen[1], np.ones((2, 21)))
+    assert seen[0].sum(axis=1).tolist() == [11, 11]
+    assert not np.array_equal(seen[0][0], seen[0][1])
+
+
+def _start_worker(hosts, index, *args):
+    env = {**ENV, "TF_CONFIG": _launch.tf_config(hosts, index)}
+    return subprocess.Popen(
+        [sys.executable, os.path.join(WORKERS, "multi_worker_resume.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+
+
+def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path):
+    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
+    chief, doomed = (_start_worker(hosts, i, str(tmp_path), "--die-at-epoch", "1") for i in range(2))
+    doomed.wait(timeout=240)
+    died = time.monotonic()
+    try:
+        output, _ = chief.communicate(timeout=120)
+    finally:
+        chief.kill()
+    assert doomed.returncode == -9
+    assert time.monotonic() - died < 90  # the survivor did not wait forever
+    assert chief.returncode != 0
+    assert "a worker of the cluster is gone" in output and "Start the whole job again" in output, output[-3000:]
+    assert not os.path.exists(tmp_path / "final-0.npz")
+    assert os.path.exists(tmp_path / "backup")  # the chief's backup of an epoch
+
+    restarted = _launch_workers("multi_worker_resume.py", str(tmp_path))
+    assert "[worker 0] epoch 0 done" not in restarted.stdout  # resumed, not started over
+    assert "[worker 0] epoch 3 done" in restarted.stdout
+    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
+    reference = np.load(tmp_path / "final-reference.npz")
+    for index in range(2):
+        final = np.load(tmp_path / f"final-{index}.npz")
+        for key in reference.files:
+            np.testing.assert_allclose(final[key], reference[key], rtol=1e-5, atol=1e-6)
+    saved = keras.models.load_model(tmp_path / "model.keras")  # written by the chief alone
+    np.testing.assert_allclose(saved.get_weights()[0], reference["arr_0"], rtol=1e-5, atol=1e-6)
+    assert not os.path.exists(tmp_path / "backup")  # deleted once training finished
+    assert not [name for name in os.listdir(tmp_path) if "tmp" in name]

@@ -1,0 +1,122 @@
+"""parallelize() in a TF_CONFIG cluster, against one process on the same global batches.
+
+Run by `kerasmulti launch --workers 2 multi_worker_fit.py OUT` (each worker
+saves OUT/worker-<index>.npz), or without a cluster as `multi_worker_fit.py OUT
+--reference`, which trains the plain template on the same global batches and
+saves OUT/reference.npz. Phases:
+
+- arrays: a BatchNormalization model on numpy arrays, 21 rows in batches of 4
+  (the last global batch has one row, so one replica gets none); fit, evaluate,
+  predict. Each worker builds its model with its own seed: the chief's weights
+  win.
+- dataset: the same through a tf.data.Dataset batched globally.
+- local: each worker reads different rows, and a different number of them,
+  through a per-worker dataset function; one process trains on the
+  concatenation of the workers' batches (the shorter worker's end empty).
+- coverage: shuffled arrays; a metric counts how often each sample was seen.
+"""
+
+import json
+import os
+import sys
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+out = sys.argv[1]
+reference = "--reference" in sys.argv
+index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+WORKERS = 2
+results = {}
+
+
+def model(seed, batchnorm=True):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,), name="x")
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    if batchnorm:
+        hidden = keras.layers.BatchNormalization()(hidden)
+    return keras.Model(inputs, keras.layers.Dense(1, name="y")(hidden))
+
+
+def trainable(template):
+    target = template if reference else kerasmulti.parallelize(template)
+    target.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"])
+    return target
+
+
+def save(phase, template, **values):
+    for i, weight in enumerate(template.get_weights()):
+        results[f"{phase}/weight{i}"] = weight
+    for key, value in values.items():
+        results[f"{phase}/{key}"] = np.asarray(value)
+
+
+rng = np.random.default_rng(7)
+x, y = rng.normal(size=(21, 4)).astype("float32"), rng.normal(size=(21, 1)).astype("float32")
+
+# arrays
+template = model(seed=0 if reference else index)
+target = trainable(template)
+history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+evaluation = target.evaluate(x, y, batch_size=4, verbose=0)
+prediction = target.predict(x, batch_size=4, verbose=0)
+save("arrays", template, loss=history["loss"], mae=history["mae"], evaluation=evaluation, prediction=prediction)
+
+# dataset
+template = model(seed=0, batchnorm=False)
+target = trainable(template)
+history = target.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(6), epochs=2, verbose=0).history
+save("dataset", template, loss=history["loss"])
+
+
+# local: worker w holds LOCAL_ROWS[w] rows of its own; per-replica batches of 2
+LOCAL_ROWS = (9, 6)
+
+
+def local_data(worker):
+    local = np.random.default_rng(100 + worker)
+    return local.normal(size=(LOCAL_ROWS[worker], 4)).astype("float32"), local.normal(size=(LOCAL_ROWS[worker], 1)).astype("float32")
+
+
+template = model(seed=0, batchnorm=False)
+target = trainable(template)
+if reference:
+    parts = [local_data(w) for w in range(WORKERS)]
+    steps = max(-(-rows // 2) for rows in LOCAL_ROWS)
+    for _ in range(2):
+        for step in range(steps):
+            batch = [np.concatenate([p[k][2 * step: 2 * step + 2] for p in parts]) for k in (0, 1)]
+            target.train_on_batch(*batch)
+else:
+    mine = local_data(index)
+    target.fit(lambda context: tf.data.Dataset.from_tensor_slices(mine).batch(2), epochs=2, verbose=0)
+save("local", template)
+
+# coverage: the metric counts each sample's id (y) as it is seen
+if not reference:
+
+    class Seen(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="seen")
+            self.counts = self.add_variable(shape=(21,), initializer="zeros", name="counts")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            ids = tf.cast(tf.reshape(y_true, [-1]), "int32")
+            self.counts.assign_add(tf.math.bincount(ids, minlength=21, maxlength=21, dtype="float32"))
+
+        def result(self):
+            return tf.identity(self.counts)  # a read, summed over workers
+
+    template = model(seed=0, batchnorm=False)
+    target = kerasmulti.parallelize(template)
+    target.compile(optimizer="sgd", loss="mse", metrics=[Seen()])
+    ids = np.arange(21, dtype="float32")[:, None]
+    history = target.fit(x, ids, batch_size=4, epochs=2, shuffle=True, verbose=0).history
+    results["coverage/seen"] = np.stack(history["seen"])
+
+np.savez(os.path.join(out, "reference.npz" if reference else f"worker-{index}.npz"), **results)
+print("done", flush=True)
