@@ -3,6 +3,8 @@
 Public API (everything else is private):
 
 - `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
+- `launch(function, workers=N)`: run a function as N workers of one cluster, from a notebook;
+  inside it (or in a script started by `kerasmulti launch`), `parallelize` trains across workers.
 - `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
 - `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model;
   `placement_summary(model)`, `remap_devices(model, mapping)`.
@@ -37,6 +39,7 @@ from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
+from kerasmulti._launch import launch  # noqa: E402
 from kerasmulti._placement import OnDevice  # noqa: E402
 from kerasmulti._placement import device_scope  # noqa: E402
 from kerasmulti._placement import on_device  # noqa: E402
@@ -55,6 +58,7 @@ __all__ = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "launch",
     "on_device",
     "parallel_predict",
     "parallelize",

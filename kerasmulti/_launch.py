@@ -7,19 +7,26 @@ as soon as one fails, exiting with that worker's code; a hung cluster does not
 outlive its first failure. For real clusters, `--hosts` and `--index` build
 the same `TF_CONFIG` for the one worker started on this machine.
 
-This is the process side of multi-worker training only; the training side
-(`parallelize` under `MultiWorkerMirroredStrategy`) is not built yet.
+`launch(function, workers=N)` does the same from a notebook, in the manner of
+accelerate's `notebook_launcher`: it forks N workers that each join the
+cluster and call the function, prints their output with the same prefixes,
+and returns what each returned. Forking copies the notebook's process, so
+TensorFlow must not have run anything in it yet (a cluster can only be joined
+before TensorFlow's first op); `launch` refuses, saying so, when it has.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
+from typing import Any, Callable, Sequence
 
 POLL_S = 0.2
 
@@ -73,28 +80,51 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
+def _check_workers(workers) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise LaunchError(f"--workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
+
+
 def run_workers(command: list[str], workers: int, devices_per_worker: int | None = None, out=None) -> int:
     """Runs `command` as `workers` local processes of one cluster; returns the exit code.
 
     0 when every worker succeeded; otherwise the code of the first worker that
     failed, after the others have been stopped.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise LaunchError(f"--workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
+    _check_workers(workers)
     out = out or sys.stdout
     hosts = [f"localhost:{port}" for port in free_ports(workers)]
     processes, pumps = [], []
     for index in range(workers):
-        env = {**os.environ, "TF_CONFIG": tf_config(hosts, index)}
-        if devices_per_worker:
-            env["KERASMULTI_SIMULATE_DEVICES"] = str(devices_per_worker)
+        env = {**os.environ, **_worker_environment(hosts, index, devices_per_worker)}
         process = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
-        pump = threading.Thread(target=_pump, args=(process.stdout, f"[worker {index}] ", out), daemon=True)
-        pump.start()
         processes.append(process)
-        pumps.append(pump)
+        pumps.append(_start_pump(process.stdout, index, out))
+    failed = _supervise(processes, pumps)
+    if failed is None:
+        return 0
+    code = processes[failed].returncode
+    out.write(f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others.\n")
+    return code
+
+
+def _worker_environment(hosts: list[str], index: int, devices_per_worker: int | None) -> dict:
+    env = {"TF_CONFIG": tf_config(hosts, index)}
+    if devices_per_worker:
+        env["KERASMULTI_SIMULATE_DEVICES"] = str(devices_per_worker)
+    return env
+
+
+def _start_pump(stream, index: int, out) -> threading.Thread:
+    pump = threading.Thread(target=_pump, args=(stream, f"[worker {index}] ", out), daemon=True)
+    pump.start()
+    return pump
+
+
+def _supervise(processes, pumps) -> int | None:
+    """Waits for all processes; on the first failure stops the rest. Returns its index or None."""
     failed = None
     try:
         while any(p.poll() is None for p in processes) and failed is None:
@@ -114,8 +144,164 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
                 p.wait()
         for pump in pumps:
             pump.join(timeout=5)
-    if failed is None:
-        return 0
-    code = processes[failed].returncode
-    out.write(f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others.\n")
-    return code
+    return failed
+
+
+class _Forked:
+    """A forked `multiprocessing.Process` with the `subprocess.Popen` methods `_supervise` uses."""
+
+    def __init__(self, process):
+        self._process = process
+
+    def poll(self):
+        return self._process.exitcode
+
+    @property
+    def returncode(self):
+        return self._process.exitcode
+
+    def terminate(self):
+        self._process.terminate()
+
+    def kill(self):
+        self._process.kill()
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("worker", timeout)
+
+
+def _tensorflow_started() -> bool:
+    if "tensorflow" not in sys.modules:
+        return False
+    from tensorflow.python.eager import context
+
+    return context.context()._initialized
+
+
+def _run_forked(function, args, index, hosts, devices_per_worker, output_fd, results) -> None:
+    os.dup2(output_fd, 1)
+    os.dup2(output_fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    os.environ.update(_worker_environment(hosts, index, devices_per_worker))
+    from kerasmulti import _cluster, _devices
+
+    _devices._simulate_from_environment()
+    _cluster.start()
+    try:
+        value = function(*args)
+        results.send(value)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def launch(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    workers: int = 2,
+    devices_per_worker: int | None = None,
+) -> list[Any]:
+    """Runs `function(*args)` as `workers` processes of one local cluster, from a notebook.
+
+    The notebook counterpart of `kerasmulti launch`, in the manner of
+    accelerate's `notebook_launcher`. Each worker is a fork of this process
+    with `TF_CONFIG` set and the cluster joined, so inside `function`,
+    `kerasmulti.parallelize(model)` trains across all workers. Their output is
+    printed here, each line prefixed with `[worker i]`. When one worker fails
+    the others are stopped and an error is raised.
+
+    Multi-worker training must be set up before TensorFlow's first op, and
+    the workers are copies of this process, so call `launch` before anything
+    runs TensorFlow here: build models inside `function`, not in the notebook.
+    Imports are fine.
+
+    Args:
+        function: What each worker runs. Its return value (which must be
+            picklable, e.g. `history.history`) is sent back.
+        args: Positional arguments for `function`.
+        workers: How many worker processes.
+        devices_per_worker: Simulated CPU devices per worker (as
+            `KERASMULTI_SIMULATE_DEVICES`), for code that also uses them.
+
+    Returns:
+        The list of the workers' return values, worker 0 first.
+
+    Raises:
+        LaunchError: A `ValueError` if `workers` is not a positive int, or
+            `function` is not callable.
+        RuntimeError: If TensorFlow already ran in this process, or a worker
+            failed (its traceback is printed above the error).
+
+    Example:
+
+    ```python
+    import kerasmulti
+
+    def train():
+        import keras, numpy as np
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        parallel = kerasmulti.parallelize(model)  # across both workers
+        parallel.compile(optimizer="sgd", loss="mse")
+        return parallel.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=16, verbose=0).history
+
+    histories = kerasmulti.launch(train, workers=2)
+    ```
+    """
+    if not callable(function):
+        raise LaunchError(
+            "launch() runs a function in every worker; pass the function itself, "
+            f"not its result. Received: function={function!r}"
+        )
+    _check_workers(workers)
+    if _tensorflow_started():
+        raise RuntimeError(
+            "launch() cannot start workers from this process: TensorFlow has "
+            "already run here, and a worker (a copy of this process) can only "
+            "join a cluster before TensorFlow's first op. Restart the kernel, "
+            "then call launch() before building any model or tensor: put that "
+            "code inside the function. Received: TensorFlow initialised=True"
+        )
+    context = multiprocessing.get_context("fork")
+    hosts = [f"localhost:{port}" for port in free_ports(workers)]
+    processes, pumps, receivers = [], [], []
+    for index in range(workers):
+        read_fd, write_fd = os.pipe()
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_run_forked, args=(function, tuple(args), index, hosts, devices_per_worker, write_fd, sender)
+        )
+        process.start()
+        os.close(write_fd)
+        sender.close()
+        processes.append(_Forked(process))
+        pumps.append(_start_pump(os.fdopen(read_fd, "r", errors="replace"), index, sys.stdout))
+        receivers.append(_receive(receiver))
+    failed = _supervise(processes, pumps)
+    if failed is not None:
+        raise RuntimeError(
+            f"Worker {failed} of {workers} failed (its output is above, prefixed "
+            f"[worker {failed}]); the others were stopped. "
+            f"Received: exit code {processes[failed].returncode}"
+        )
+    for receiver in receivers:
+        receiver.join()
+    return [receiver.value for receiver in receivers]
+
+
+def _receive(connection) -> threading.Thread:
+    # Received as it comes: a large result would fill the pipe and block the
+    # worker from exiting if nothing read it until then.
+    def receive():
+        try:
+            thread.value = connection.recv()
+        except EOFError:
+            thread.value = None
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    return thread

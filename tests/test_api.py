@@ -13,6 +13,7 @@ PUBLIC = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "launch",
     "on_device",
     "parallel_predict",
     "parallelize",

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import kerasmulti
 from kerasmulti import _launch
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
@@ -69,3 +70,46 @@ def test_bad_cluster_requests_are_refused(args, message):
 def test_free_ports_are_distinct():
     ports = _launch.free_ports(5)
     assert len(set(ports)) == 5
+
+
+def test_the_notebook_launcher_refuses_once_tensorflow_ran():
+    # The test process has run TensorFlow (its devices are simulated).
+    with pytest.raises(RuntimeError, match="Restart the kernel.*Received: TensorFlow initialised=True"):
+        kerasmulti.launch(print, workers=2)
+
+
+@pytest.mark.parametrize(
+    "function, workers, message",
+    [
+        (print, 0, "Received: workers=0"),
+        (print, 1.5, "Received: workers=1.5"),
+        ("train()", 2, r"not its result. Received: function='train\(\)'"),
+    ],
+)
+def test_the_notebook_launcher_refuses_bad_arguments(function, workers, message):
+    with pytest.raises(ValueError, match=message):
+        kerasmulti.launch(function, workers=workers)
+
+
+def _notebook_launch(mode):
+    return subprocess.run(
+        [sys.executable, os.path.join(WORKERS, "notebook_launch.py"), mode],
+        capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_the_notebook_launcher_trains_across_workers_and_returns_their_results():
+    result = _notebook_launch("ok")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[worker 0] training in worker 0" in result.stdout
+    assert "[worker 1] training in worker 1" in result.stdout
+    assert "same weights" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_notebook_launcher_reports_a_failed_worker():
+    result = _notebook_launch("fail")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[worker 1] ValueError: worker 1 broke on purpose" in result.stdout
+    assert "launch raised: Worker 1 of 2 failed" in result.stdout

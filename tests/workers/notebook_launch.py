@@ -1,0 +1,40 @@
+"""kerasmulti.launch() from a process that has not run TensorFlow, as a notebook would.
+
+`notebook_launch.py ok`: two workers train, each returns its weights; prints
+"same weights" when they agree. `notebook_launch.py fail`: worker 1 raises;
+prints the error launch() raised.
+"""
+
+import sys
+
+import kerasmulti
+
+
+def train(mode):
+    import keras
+    import numpy as np
+
+    index = kerasmulti._cluster.config()["task"]["index"]
+    print(f"training in worker {index}", flush=True)
+    if mode == "fail" and index == 1:
+        raise ValueError("worker 1 broke on purpose")
+    keras.utils.set_random_seed(index)  # different starts: the chief's weights win
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model)
+    parallel.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(index)  # different data: only an all-reduce keeps them equal
+    parallel.fit(rng.normal(size=(32, 4)), rng.normal(size=(32, 1)), batch_size=8, verbose=0)
+    return model.get_weights()
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    try:
+        results = kerasmulti.launch(train, args=(mode,), workers=2)
+    except RuntimeError as error:
+        print(f"launch raised: {error}", flush=True)
+        sys.exit(0)
+    import numpy as np
+
+    same = all(np.array_equal(a, b) for a, b in zip(*results))
+    print("same weights" if same and len(results) == 2 else "different weights", flush=True)
