@@ -5,11 +5,13 @@ configures TensorFlow's collective ops, which TensorFlow allows only before it
 runs its first op. A user's script builds its model before it calls
 `parallelize`, so `import kerasmulti` creates the strategy when `TF_CONFIG`
 names a cluster of several tasks, and `parallelize` adopts the model into it.
-Creating it waits until every worker has started (up to `STARTUP_TIMEOUT_S`).
+Creating it waits until every worker of `TF_CONFIG` has started.
 
-A dead peer is noticed by the strategy's health check, which aborts the
-collectives of the survivors: they stop with an error within about
-`HEALTH_INTERVAL_S` plus a few seconds, instead of waiting forever.
+Faults are bounded by the coordination service the strategy starts: a worker
+that stops sending heartbeats (killed, crashed, unreachable) makes the
+others' collectives fail with an error after TensorFlow's heartbeat timeout
+(seconds), instead of waiting forever; `WorkerModel` turns that error into
+one that says what to do.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import os
 import sys
 
 ENV_CONFIG = "TF_CONFIG"
-STARTUP_TIMEOUT_S = int(os.environ.get("KERASMULTI_STARTUP_TIMEOUT", "600"))
-HEALTH_INTERVAL_S = int(os.environ.get("KERASMULTI_HEALTH_INTERVAL", "5"))
 
 _strategy = None
 _start_error: Exception | None = None
@@ -81,11 +81,7 @@ def start() -> None:
         if config() is None:
             return
         import tensorflow as tf
-        from tensorflow.python.distribute import collective_all_reduce_strategy as collective
 
-        extended = collective.CollectiveAllReduceExtended
-        extended._check_health_initial_timeout = STARTUP_TIMEOUT_S
-        extended._check_health_interval = HEALTH_INTERVAL_S
         _strategy = tf.distribute.MultiWorkerMirroredStrategy()
     except Exception as error:  # reported where the cluster is first needed
         _start_error = error

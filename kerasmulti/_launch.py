@@ -18,6 +18,7 @@ before TensorFlow's first op); `launch` refuses, saying so, when it has.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -184,6 +185,10 @@ def _run_forked(function, args, index, hosts, devices_per_worker, output_fd, res
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    for name in (None, "tensorflow"):  # log handlers made before the fork hold the old streams
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
     os.environ.update(_worker_environment(hosts, index, devices_per_worker))
     from kerasmulti import _cluster, _devices
 
