@@ -28,7 +28,8 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti import _atomic, _sources
-from kerasmulti._parallel import ParallelModel, parallelize
+from kerasmulti import _cluster
+from kerasmulti._parallel import ParallelModel, local_parallel, unwrap
 
 PROGRESS = "kerasmulti_rows_done"
 _PREFETCH = 2
@@ -188,10 +189,19 @@ def parallel_predict(
             "parallel_predict() needs batch_size to be a positive int, the rows "
             f"predicted per step. Received: batch_size={batch_size!r}"
         )
-    if isinstance(model, ParallelModel) and gpus is None and devices is None:
+    if output is not None and not _cluster.is_chief():
+        raise _cluster.ClusterError(
+            "parallel_predict() writes its output file on the chief (worker 0) "
+            "only: every worker writing the same file would clobber it. Call it "
+            "with output= on worker 0 alone, or give each worker its own file "
+            "and data. Received: output="
+            f"{output!r} on worker {_cluster.config()['task']['index']}"
+        )
+    if type(model) is ParallelModel and gpus is None and devices is None:
         parallel = model  # its compiled step is reused across calls
     else:
-        parallel = parallelize(model, gpus=gpus, devices=devices)
+        # In a cluster too, inference runs on this worker's devices alone.
+        parallel = local_parallel(unwrap(model), gpus=gpus, devices=devices)
     template = parallel._template
     source = _sources.make_source(data)
     if source.rows == 0:

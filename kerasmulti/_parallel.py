@@ -301,6 +301,13 @@ def parallelize(
     statistics (synchronised across replicas). With one device it is a
     pass-through, so code written for N GPUs runs on a laptop.
 
+    In a process started as a worker of a cluster (`TF_CONFIG`, e.g. by
+    `kerasmulti launch`), the model is adopted into
+    `MultiWorkerMirroredStrategy` instead and trains across all workers, with
+    the numbers of one process on the same global batches; `gpus` and
+    `devices` are then checked but the strategy uses every GPU the worker
+    sees (or its CPU). See the README's "Multi-worker training".
+
     Args:
         model: A built `keras.Model` (Sequential, functional, subclassed or
             loaded from a file).
@@ -324,6 +331,8 @@ def parallelize(
         ValueError: If the model is not built, holds a stateful RNN, or the
             devices requested do not exist (a `DeviceError`, listing the
             available devices).
+        RuntimeError: In a cluster, if joining it failed (a `ClusterError`
+            saying why, e.g. TensorFlow ran before `import kerasmulti`).
 
     Example:
 
@@ -338,6 +347,29 @@ def parallelize(
     parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
     ```
     """
+    strategy = _cluster.strategy()
+    if strategy is not None:
+        _check_model(model)
+        _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        from kerasmulti import _multiworker
+
+        return _multiworker.adopt(unwrap(model), strategy)
+    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation)
+
+
+def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False) -> ParallelModel:
+    """`parallelize` on this process's devices, also inside a cluster."""
+    if isinstance(model, ParallelModel):
+        model = model._template
+    _check_model(model)
+    replica_devices = _devices.resolve_devices(gpus, devices)
+    if cpu_relocation:
+        _relocate_to_cpu(model)
+    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
+    return ParallelModel(model, replica_devices, merge_device)
+
+
+def _check_model(model) -> None:
     if isinstance(model, ParallelModel):
         model = model._template
     if not isinstance(model, keras.Model):
@@ -354,16 +386,6 @@ def parallelize(
             f"Received: model={model.name!r} with built=False"
         )
     _refuse_unsplittable(model)
-    replica_devices = _devices.resolve_devices(gpus, devices)
-    strategy = _cluster.strategy()
-    if strategy is not None:
-        from kerasmulti import _multiworker
-
-        return _multiworker.adopt(model, strategy)
-    if cpu_relocation:
-        _relocate_to_cpu(model)
-    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    return ParallelModel(model, replica_devices, merge_device)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

@@ -49,12 +49,20 @@ def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_bat
         np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-5, err_msg=key)
         np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
     assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local"}
-    # Shuffled arrays: the workers see complementary halves, together every
-    # sample once per epoch, in a new order each epoch.
+    # Shuffled arrays: the workers see complementary halves of the 15 training
+    # rows, together each once per epoch, in a new order each epoch; the last
+    # 6 rows are for validation.
     seen = [w["coverage/seen"] for w in workers]
-    np.testing.assert_array_equal(seen[0] + seen[1], np.ones((2, 21)))
-    assert seen[0].sum(axis=1).tolist() == [11, 11]
+    np.testing.assert_array_equal(seen[0] + seen[1], np.tile([1.0] * 15 + [0.0] * 6, (2, 1)))
+    assert seen[0].sum(axis=1).tolist() == [8, 8]
     assert not np.array_equal(seen[0][0], seen[0][1])
+    np.testing.assert_array_equal(workers[0]["coverage/val_loss"], workers[1]["coverage/val_loss"])
+    assert workers[0]["coverage/val_loss"].shape == (2,)
+    # Inference runs on the worker's own devices; only the chief writes files.
+    assert workers[0]["inference/difference"] < 1e-5
+    assert "only: every worker writing the same file would clobber it" in str(workers[1]["inference/refusal"])
+    assert "Received: output=" in str(workers[1]["inference/refusal"])
+    assert not os.path.exists(tmp_path / "clobbered.h5")
 
 
 def _start_worker(hosts, index, *args):

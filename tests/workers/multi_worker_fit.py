@@ -13,7 +13,10 @@ saves OUT/reference.npz. Phases:
 - local: each worker reads different rows, and a different number of them,
   through a per-worker dataset function; one process trains on the
   concatenation of the workers' batches (the shorter worker's end empty).
-- coverage: shuffled arrays; a metric counts how often each sample was seen.
+- coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
+  metric counts how often each sample was seen.
+- inference: parallel_predict runs on the worker's own devices; only the chief
+  may write an output file.
 """
 
 import json
@@ -115,8 +118,20 @@ if not reference:
     target = kerasmulti.parallelize(template)
     target.compile(optimizer="sgd", loss="mse", metrics=[Seen()])
     ids = np.arange(21, dtype="float32")[:, None]
-    history = target.fit(x, ids, batch_size=4, epochs=2, shuffle=True, verbose=0).history
+    history = target.fit(x, ids, batch_size=4, epochs=2, shuffle=True, validation_split=0.25, verbose=0).history
     results["coverage/seen"] = np.stack(history["seen"])
+    results["coverage/val_loss"] = np.asarray(history["val_loss"])
+
+# inference
+if not reference:
+    if index == 0:
+        expected = template.predict(x, verbose=0)
+        results["inference/difference"] = np.abs(kerasmulti.parallel_predict(template, x, batch_size=4) - expected).max()
+    else:
+        try:
+            kerasmulti.parallel_predict(template, x, output=os.path.join(out, "clobbered.h5"))
+        except RuntimeError as error:
+            results["inference/refusal"] = np.asarray(str(error))
 
 np.savez(os.path.join(out, "reference.npz" if reference else f"worker-{index}.npz"), **results)
 print("done", flush=True)
