@@ -59,6 +59,11 @@ class WorkerModel(ParallelModel):
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
 
+    def _resolve_auto_jit_compile(self):
+        # XLA would compile the step around the strategy's collectives, a
+        # combination Keras does not test; the default stays off.
+        return False
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """Trains as `keras.Model.fit`, every worker taking its part of each global batch.
 
