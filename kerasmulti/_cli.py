@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
     )
     launch.add_argument("--workers", type=int, help="local worker processes on free localhost ports")
-    launch.add_argument("--devices-per-worker", type=int, help="simulated devices per worker (without GPUs)")
+    launch.add_argument(
+        "--devices-per-worker", type=int,
+        help="GPUs per worker (worker i sees GPUs i*K..i*K+K-1); without GPUs, simulated CPU devices",
+    )
     launch.add_argument("--hosts", help="a real cluster: host1:port,host2:port (with --index)")
     launch.add_argument("--index", type=int, help="which of --hosts this machine is")
     launch.add_argument("script", help="the Python script each worker runs")

@@ -114,6 +114,20 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
 def _worker_environment(hosts: list[str], index: int, devices_per_worker: int | None) -> dict:
     env = {"TF_CONFIG": tf_config(hosts, index)}
     if devices_per_worker:
+        # With GPUs: worker i gets its own K of them (of those already visible,
+        # if CUDA_VISIBLE_DEVICES is set), not all of them. Without GPUs: K
+        # simulated CPU devices for single-machine code in the worker.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(len(hosts) * devices_per_worker)]
+        if len(ids) < len(hosts) * devices_per_worker:
+            raise LaunchError(
+                f"{len(hosts)} workers with {devices_per_worker} GPUs each need "
+                f"{len(hosts) * devices_per_worker} GPUs, but CUDA_VISIBLE_DEVICES "
+                f"makes {len(ids)} visible ({visible}). Lower --workers or "
+                "--devices-per-worker, or make more GPUs visible. "
+                f"Received: devices_per_worker={devices_per_worker}"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * devices_per_worker:(index + 1) * devices_per_worker])
         env["KERASMULTI_SIMULATE_DEVICES"] = str(devices_per_worker)
     return env
 
@@ -230,15 +244,17 @@ def launch(
             picklable, e.g. `history.history`) is sent back.
         args: Positional arguments for `function`.
         workers: How many worker processes.
-        devices_per_worker: Simulated CPU devices per worker (as
-            `KERASMULTI_SIMULATE_DEVICES`), for code that also uses them.
+        devices_per_worker: GPUs per worker (worker i sees GPUs i*K to
+            i*K+K-1); without GPUs, simulated CPU devices per worker (as
+            `KERASMULTI_SIMULATE_DEVICES`), for single-machine code in it.
 
     Returns:
         The list of the workers' return values, worker 0 first.
 
     Raises:
-        LaunchError: A `ValueError` if `workers` is not a positive int, or
-            `function` is not callable.
+        LaunchError: A `ValueError` if `workers` is not a positive int,
+            `function` is not callable, or more GPUs are asked for than
+            `CUDA_VISIBLE_DEVICES` makes visible.
         RuntimeError: If TensorFlow already ran in this process, or a worker
             failed (its traceback is printed above the error).
 
@@ -273,6 +289,7 @@ def launch(
         )
     context = multiprocessing.get_context("fork")
     hosts = [f"localhost:{port}" for port in free_ports(workers)]
+    _worker_environment(hosts, 0, devices_per_worker)  # a bad request fails here, not in every worker
     processes, pumps, receivers = [], [], []
     for index in range(workers):
         read_fd, write_fd = os.pipe()

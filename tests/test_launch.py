@@ -14,8 +14,10 @@ WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
 
 def _kerasmulti(*args, env=None, timeout=180):
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})}
-    environment.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    environment = dict(os.environ)
+    for name in ("KERASMULTI_SIMULATE_DEVICES", "CUDA_VISIBLE_DEVICES", "TF_CONFIG"):
+        environment.pop(name, None)
+    environment.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
     return subprocess.run(
         [sys.executable, "-m", "kerasmulti._cli", "launch", *args],
         capture_output=True, text=True, env=environment, timeout=timeout,
@@ -26,7 +28,24 @@ def test_workers_get_their_tf_config_and_prefixed_output():
     result = _kerasmulti("--workers", "3", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"), "a", "--b")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[worker"))
-    assert lines == [f"[worker {i}] index={i} workers=3 devices=2 args=['a', '--b']" for i in range(3)]
+    gpus = ["0,1", "2,3", "4,5"]  # each worker its own 2
+    assert lines == [f"[worker {i}] index={i} workers=3 devices=2 gpus={gpus[i]} args=['a', '--b']" for i in range(3)]
+
+
+def test_devices_per_worker_splits_the_visible_gpus():
+    result = _kerasmulti("--workers", "2", "--devices-per-worker", "1", os.path.join(WORKERS, "cluster_info.py"),
+                         env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[worker 0] index=0 workers=2 devices=1 gpus=3 " in result.stdout
+    assert "[worker 1] index=1 workers=2 devices=1 gpus=5 " in result.stdout
+
+
+def test_devices_per_worker_beyond_the_visible_gpus_is_refused():
+    result = _kerasmulti("--workers", "2", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"),
+                         env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert result.returncode == 2
+    assert "need 4 GPUs, but CUDA_VISIBLE_DEVICES makes 2 visible (3,5)" in result.stderr
+    assert "Received: devices_per_worker=2" in result.stderr
 
 
 def test_first_failure_stops_the_others_and_sets_the_exit_code():

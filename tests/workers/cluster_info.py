@@ -8,7 +8,8 @@ import time
 config = json.loads(os.environ["TF_CONFIG"])
 index = config["task"]["index"]
 print(f"index={index} workers={len(config['cluster']['worker'])} "
-      f"devices={os.environ.get('KERASMULTI_SIMULATE_DEVICES')} args={sys.argv[1:]}", flush=True)
+      f"devices={os.environ.get('KERASMULTI_SIMULATE_DEVICES')} "
+      f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES')} args={sys.argv[1:]}", flush=True)
 if "fail-1" in sys.argv and index == 1:
     sys.exit(3)
 if "hang-0" in sys.argv and index == 0:
