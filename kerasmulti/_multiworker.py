@@ -101,8 +101,13 @@ class WorkerModel(ParallelModel):
             data_adapter_utils.pack_x_y_sample_weight(*arrays)
         )
         dataset = dataset.shuffle(rows, seed=self._seed, reshuffle_each_iteration=True)
+        # Without autotuning: TensorFlow 2.21 waits seconds at every epoch's
+        # end for an autotuned iterator to be dropped (benchmarks/README.md).
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        dataset = dataset.batch(batch_size or 32).prefetch(2).with_options(options)
         kwargs["shuffle"] = False
-        return dataset.batch(batch_size or 32), None, None, kwargs
+        return dataset, None, None, kwargs
 
     def _per_worker_dataset(self, dataset_fn):
         strategy = self._strategy
@@ -130,17 +135,8 @@ class WorkerModel(ParallelModel):
     def _on_all_workers(self, method, args, kwargs):
         if not _cluster.is_chief():
             kwargs["verbose"] = 0  # one progress bar, the chief's
-        try:
+        with _lost_workers_explained(f"{method.__name__}()"):
             return method(*args, **kwargs)
-        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
-            raise _cluster.ClusterError(
-                f"Multi-worker {method.__name__}() stopped because a worker of the "
-                "cluster is gone (killed, crashed or unreachable); the others cannot "
-                "go on without its part of every step. Start the whole job again: "
-                "with kerasmulti.ParallelBackupAndRestore among the callbacks it "
-                "resumes from the last epoch saved. "
-                f"Received: {type(error).__name__}: {_cause(error)}"
-            ) from error
 
     def call(self, inputs, training=None):
         return self._template(inputs, training=training)
@@ -243,6 +239,20 @@ def _cause(error) -> str:
     return (useful or lines or [""])[0]
 
 
+@contextlib.contextmanager
+def _lost_workers_explained(what: str):
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
+        raise _cluster.ClusterError(
+            f"Multi-worker {what} stopped because a worker of the cluster is "
+            "gone (killed, crashed or unreachable); the others cannot go on "
+            "without its part of every step. Start the whole job again: with "
+            "kerasmulti.ParallelBackupAndRestore among the callbacks it resumes "
+            f"from the last epoch saved. Received: {type(error).__name__}: {_cause(error)}"
+        ) from error
+
+
 def _rows(x):
     return tf.shape(tree.flatten(x)[0])[0]
 
@@ -272,7 +282,7 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     `fit`: each worker reads the same input and keeps its part of every
     batch, so their shuffles must agree.
     """
-    with strategy.scope():
+    with _lost_workers_explained("parallelize()"), strategy.scope():
         seed = tf.Variable(np.random.randint(2**31 - 1), dtype="int64", trainable=False)
         for variable in template.variables:
             if not isinstance(variable.value, tf.distribute.DistributedValues):
