@@ -232,10 +232,31 @@ def _rows(x) -> int:
     return len(keras.tree.flatten(x)[0])
 
 
+def dataset(x, y, batch_size: int, shuffle: bool = True):
+    """The arrays (y None for predict) as a tf.data pipeline without autotuning, for every variant alike.
+
+    With TensorFlow 2.21, `fit` on arrays builds an autotuned pipeline whose
+    iterator takes about a second to be destroyed (the main thread waits for
+    its autotuning thread); whether that wait falls inside a timed epoch or
+    after it is chance, which made whole epochs run at one of two speeds.
+    Without autotuning the wait is gone and epochs are steady.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    # A list would be stacked into one tensor; a tuple stays one input each.
+    x = tuple(x) if isinstance(x, list) else x
+    # (x,) for predict: Keras would read a tuple of inputs as (x, y).
+    pipeline = tf.data.Dataset.from_tensor_slices((x,) if y is None else (x, y))
+    if shuffle:
+        pipeline = pipeline.shuffle(_rows(x), reshuffle_each_iteration=True)
+    return pipeline.batch(batch_size).prefetch(2).with_options(options)
+
+
 def time_fit(variant: TrainPredictVariant, x, y, batch_size: int, shuffle: bool = True) -> float:
+    batches = dataset(x, y, batch_size, shuffle)
     with variant.scope():
         start = time.perf_counter()
-        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=shuffle, verbose=0)
+        history = variant.model.fit(batches, epochs=1, verbose=0)
         # Reading the loss waits for the device, so GPU work is not left out.
         float(history.history["loss"][-1])
         elapsed = time.perf_counter() - start
@@ -243,9 +264,10 @@ def time_fit(variant: TrainPredictVariant, x, y, batch_size: int, shuffle: bool 
 
 
 def time_predict(variant: TrainPredictVariant, x, batch_size: int) -> float:
+    batches = dataset(x, None, batch_size, shuffle=False)
     with variant.scope():
         start = time.perf_counter()
-        variant.model.predict(x, batch_size=batch_size, verbose=0)
+        variant.model.predict(batches, verbose=0)
         elapsed = time.perf_counter() - start
     return _rows(x) / elapsed
 

@@ -72,7 +72,7 @@ from typing import Callable
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import check, configure_devices, error_summary, fmt, make_parser, median
 from _common import print_environment, ratio, record_failure, run_reporting, scaled
-from _common import timed_rounds, warn_missing_devices
+from _common import dataset, timed_rounds, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import h5py  # noqa: E402
@@ -139,8 +139,11 @@ def make_variants(model, devices: list[str], n: int, batch_size: int, folder: st
     output = os.path.join(folder, "features.h5")
 
     def plain(x):
+        # Through a pipeline without autotuning, as in the other benchmarks:
+        # on arrays, TensorFlow 2.21 stalls at random tearing down the
+        # autotuned iterator (see `dataset`), which would flatter the ratio.
         with tf.device(devices[0]):
-            return model.predict(x, batch_size=batch_size, verbose=0)
+            return model.predict(dataset(x, None, batch_size, shuffle=False), verbose=0)
 
     def parallel(x):
         return kerasmulti.parallel_predict(model, x, gpus=n, batch_size=batch_size, verbose=0)
