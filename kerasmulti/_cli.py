@@ -85,12 +85,26 @@ def _launch(args) -> int:
                 "Pass either --workers (local processes) or --hosts with --index (one "
                 f"worker of a real cluster), not both. Received: workers={args.workers}, hosts={args.hosts!r}"
             )
+        _refuse_local_options(args)
         hosts = _launch.parse_hosts(args.hosts, args.index)
         env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index)}
         return subprocess.call(command, env=env)
     if args.workers is None and os.environ.get("TF_CONFIG"):
+        _refuse_local_options(args)
         return subprocess.call(command)  # an existing TF_CONFIG: run this worker as it says
     return _launch.run_workers(command, args.workers, args.devices_per_worker)
+
+
+def _refuse_local_options(args) -> None:
+    from kerasmulti import _launch
+
+    if args.devices_per_worker is not None:
+        raise _launch.LaunchError(
+            "--devices-per-worker splits this machine's GPUs among the workers "
+            "--workers starts here; one worker of a real cluster uses the GPUs it "
+            "sees (set CUDA_VISIBLE_DEVICES). Drop --devices-per-worker. "
+            f"Received: devices_per_worker={args.devices_per_worker}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

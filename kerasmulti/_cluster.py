@@ -37,7 +37,10 @@ def config() -> dict | None:
         return None
     try:
         parsed = json.loads(text)
-        tasks = sum(len(parsed["cluster"][job]) for job in ("chief", "worker") if job in parsed["cluster"])
+        jobs = [parsed["cluster"][job] for job in ("chief", "worker") if job in parsed["cluster"]]
+        if not all(isinstance(hosts, list) for hosts in jobs):
+            raise TypeError("each job must list its tasks' addresses")
+        tasks = sum(len(hosts) for hosts in jobs)
         task = parsed["task"]
         task["type"], int(task["index"])
     except (ValueError, KeyError, TypeError) as error:
@@ -107,6 +110,14 @@ def strategy():
             "must be set up before TensorFlow's first op. Import kerasmulti at "
             "the top of the script, before building a model or creating any "
             f"tensor. Received: TF_CONFIG task={parsed['task']}"
+        )
+    if _start_error is None:
+        raise ClusterError(
+            "TF_CONFIG names a cluster, but it was not set when kerasmulti was "
+            "imported, and a process can join a cluster only then (before "
+            "TensorFlow's first op). Set TF_CONFIG before Python starts, e.g. "
+            "with `kerasmulti launch`. Received: TF_CONFIG task="
+            f"{parsed['task']}"
         )
     raise ClusterError(
         "This process is a worker of a TF_CONFIG cluster, but joining the "

@@ -81,9 +81,16 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def _check_workers(workers) -> None:
+def _check_workers(workers, devices_per_worker=None) -> None:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise LaunchError(f"--workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
+        raise LaunchError(f"workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
+    if devices_per_worker is not None and (
+        isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1
+    ):
+        raise LaunchError(
+            "devices_per_worker must be a positive int, the GPUs (or simulated "
+            f"devices) each worker gets, or None. Received: devices_per_worker={devices_per_worker!r}"
+        )
 
 
 def run_workers(command: list[str], workers: int, devices_per_worker: int | None = None, out=None) -> int:
@@ -92,23 +99,35 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
     0 when every worker succeeded; otherwise the code of the first worker that
     failed, after the others have been stopped.
     """
-    _check_workers(workers)
+    _check_workers(workers, devices_per_worker)
     out = out or sys.stdout
     hosts = [f"localhost:{port}" for port in free_ports(workers)]
+    _worker_environment(hosts, 0, devices_per_worker)  # a bad request fails before any worker starts
     processes, pumps = [], []
-    for index in range(workers):
-        env = {**os.environ, **_worker_environment(hosts, index, devices_per_worker)}
-        process = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
-        processes.append(process)
-        pumps.append(_start_pump(process.stdout, index, out))
+    try:
+        for index in range(workers):
+            env = {**os.environ, **_worker_environment(hosts, index, devices_per_worker)}
+            process = subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+            processes.append(process)
+            pumps.append(_start_pump(process.stdout, index, out))
+    except BaseException:
+        _stop(processes)  # a worker left alone would wait for its peers forever
+        raise
     failed = _supervise(processes, pumps)
+    for process in processes:
+        process.stdout.close()
     if failed is None:
         return 0
-    code = processes[failed].returncode
+    code = _exit_code(processes[failed].returncode)
     out.write(f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others.\n")
     return code
+
+
+def _exit_code(returncode: int) -> int:
+    # A worker killed by signal N reports -N; a shell reports 128 + N.
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _worker_environment(hosts: list[str], index: int, devices_per_worker: int | None) -> dict:
@@ -148,18 +167,22 @@ def _supervise(processes, pumps) -> int | None:
         if failed is None:
             failed = next((i for i, p in enumerate(processes) if p.returncode != 0), None)
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.terminate()
-        for p in processes:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(processes)
         for pump in pumps:
             pump.join(timeout=5)
     return failed
+
+
+def _stop(processes) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class _Forked:
@@ -192,7 +215,9 @@ def _tensorflow_started() -> bool:
         return False
     from tensorflow.python.eager import context
 
-    return context.context()._initialized
+    # Listing physical devices starts the GPU driver, which a fork cannot inherit.
+    started = context.context()
+    return started._initialized or started._physical_devices is not None
 
 
 def _run_forked(function, args, index, hosts, devices_per_worker, output_fd, results) -> None:
@@ -278,7 +303,7 @@ def launch(
             "launch() runs a function in every worker; pass the function itself, "
             f"not its result. Received: function={function!r}"
         )
-    _check_workers(workers)
+    _check_workers(workers, devices_per_worker)
     if _tensorflow_started():
         raise RuntimeError(
             "launch() cannot start workers from this process: TensorFlow has "
@@ -290,25 +315,32 @@ def launch(
     context = multiprocessing.get_context("fork")
     hosts = [f"localhost:{port}" for port in free_ports(workers)]
     _worker_environment(hosts, 0, devices_per_worker)  # a bad request fails here, not in every worker
-    processes, pumps, receivers = [], [], []
-    for index in range(workers):
-        read_fd, write_fd = os.pipe()
-        receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_run_forked, args=(function, tuple(args), index, hosts, devices_per_worker, write_fd, sender)
-        )
-        process.start()
-        os.close(write_fd)
-        sender.close()
-        processes.append(_Forked(process))
-        pumps.append(_start_pump(os.fdopen(read_fd, "r", errors="replace"), index, sys.stdout))
-        receivers.append(_receive(receiver))
+    processes, pumps, receivers, streams = [], [], [], []
+    try:
+        for index in range(workers):
+            read_fd, write_fd = os.pipe()
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_run_forked, args=(function, tuple(args), index, hosts, devices_per_worker, write_fd, sender)
+            )
+            process.start()
+            os.close(write_fd)
+            sender.close()
+            streams.append(os.fdopen(read_fd, "r", errors="replace"))
+            processes.append(_Forked(process))
+            pumps.append(_start_pump(streams[-1], index, sys.stdout))
+            receivers.append(_receive(receiver))
+    except BaseException:
+        _stop(processes)  # a worker left alone would wait for its peers forever
+        raise
     failed = _supervise(processes, pumps)
+    for stream in streams:
+        stream.close()
     if failed is not None:
         raise RuntimeError(
             f"Worker {failed} of {workers} failed (its output is above, prefixed "
             f"[worker {failed}]); the others were stopped. "
-            f"Received: exit code {processes[failed].returncode}"
+            f"Received: exitcode={processes[failed].returncode}"
         )
     for receiver in receivers:
         receiver.join()

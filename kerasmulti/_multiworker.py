@@ -24,9 +24,9 @@ around what breaks Keras 3 `fit` there:
 from __future__ import annotations
 
 import contextlib
+import secrets
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.losses import loss as loss_module
@@ -85,6 +85,24 @@ class WorkerModel(ParallelModel):
             x, y, batch_size, kwargs = self._shuffled(x, y, batch_size, kwargs)
         return self._on_all_workers(super().fit, (x, y, batch_size, *args), kwargs)
 
+    def evaluate(self, *args, **kwargs):
+        """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
+        return self._on_all_workers(super().evaluate, args, kwargs)
+
+    def predict(self, *args, **kwargs):
+        """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
+        return self._on_all_workers(super().predict, args, kwargs)
+
+    def save(self, filepath, *args, **kwargs):
+        """Saves the template on the chief only: every worker holds the same weights."""
+        if _cluster.is_chief():
+            return super().save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Saves the template's weights on the chief only."""
+        if _cluster.is_chief():
+            return super().save_weights(filepath, *args, **kwargs)
+
     def _shuffled(self, x, y, batch_size, kwargs):
         # Keras shuffles arrays with an unseeded op: each worker would draw
         # its own order and keep its part of it, seeing some samples twice
@@ -136,7 +154,11 @@ class WorkerModel(ParallelModel):
         if not _cluster.is_chief():
             kwargs["verbose"] = 0  # one progress bar, the chief's
         with _lost_workers_explained(f"{method.__name__}()"):
-            return method(*args, **kwargs)
+            result = method(*args, **kwargs)
+            # Leave together: files the chief wrote or deleted at the end
+            # (checkpoints, the backup) are final before any worker goes on.
+            tf.function(_barrier)(self._strategy)
+        return result
 
     def call(self, inputs, training=None):
         return self._template(inputs, training=training)
@@ -215,6 +237,11 @@ def _in_scope(optimizer, strategy):
 
 
 @tf.autograph.experimental.do_not_convert
+def _barrier(strategy):
+    return strategy.reduce("sum", strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+
+@tf.autograph.experimental.do_not_convert
 def _gather_one(strategy, value):
     return strategy.gather(strategy.run(lambda: tf.constant([value], "int64")), axis=0)
 
@@ -249,7 +276,7 @@ def _lost_workers_explained(what: str):
             "gone (killed, crashed or unreachable); the others cannot go on "
             "without its part of every step. Start the whole job again: with "
             "kerasmulti.ParallelBackupAndRestore among the callbacks it resumes "
-            f"from the last epoch saved. Received: {type(error).__name__}: {_cause(error)}"
+            f"from the last epoch saved. Received: error={type(error).__name__}({_cause(error)!r})"
         ) from error
 
 
@@ -283,7 +310,8 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     batch, so their shuffles must agree.
     """
     with _lost_workers_explained("parallelize()"), strategy.scope():
-        seed = tf.Variable(np.random.randint(2**31 - 1), dtype="int64", trainable=False)
+        # `secrets`, not numpy: the user's seeded random streams stay as in one process.
+        seed = tf.Variable(secrets.randbelow(2**31 - 1), dtype="int64", trainable=False)
         for variable in template.variables:
             if not isinstance(variable.value, tf.distribute.DistributedValues):
                 variable._initialize(variable.value.read_value())

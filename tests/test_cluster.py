@@ -32,7 +32,11 @@ def test_the_chief_is_the_chief_task_or_else_worker_0(monkeypatch, config, chief
     assert _cluster.is_chief() is chief
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"cluster": {"worker": ["a:1", "b:2"]}}', '["a:1"]'])
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", '{"cluster": {"worker": ["a:1", "b:2"]}}', '["a:1"]',
+     '{"cluster": {"worker": "a:1,b:2"}, "task": {"type": "worker", "index": 0}}'],
+)
 def test_a_malformed_tf_config_is_refused(monkeypatch, text):
     monkeypatch.setenv("TF_CONFIG", text)
     with pytest.raises(_cluster.ClusterError, match="kerasmulti launch` writes it for you.*Received: TF_CONFIG="):
@@ -43,6 +47,13 @@ def test_a_failed_join_is_reported_where_the_cluster_is_needed(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", OSError("port in use"))
     with pytest.raises(_cluster.ClusterError, match="joining the cluster failed: port in use.*Received: TF_CONFIG="):
+        _cluster.strategy()
+
+
+def test_tf_config_set_after_the_import_is_explained(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
+    monkeypatch.setattr(_cluster, "_start_error", None)
+    with pytest.raises(_cluster.ClusterError, match="Set TF_CONFIG before Python starts.*Received: TF_CONFIG task="):
         _cluster.strategy()
 
 

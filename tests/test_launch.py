@@ -56,6 +56,12 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code():
     assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
 
 
+def test_a_worker_killed_by_a_signal_exits_as_a_shell_would():
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "kill-1", "hang-0")
+    assert result.returncode == 128 + 9
+    assert "worker 1 failed with exit code 137; stopped the others" in result.stdout
+
+
 def test_hosts_and_index_build_tf_config_for_this_machine():
     result = _kerasmulti("--hosts", "10.0.0.1:2222,10.0.0.2:2222", "--index", "1", os.path.join(WORKERS, "cluster_info.py"))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -78,6 +84,9 @@ def test_an_existing_tf_config_is_used_as_it_is():
         (["--hosts", "a:1,b:2"], "Received: index=None"),
         (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
         (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
+        (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
+        (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
+         "Drop --devices-per-worker. Received: devices_per_worker=2"),
     ],
 )
 def test_bad_cluster_requests_are_refused(args, message):
@@ -102,12 +111,13 @@ def test_the_notebook_launcher_refuses_once_tensorflow_ran():
     [
         (print, 0, "Received: workers=0"),
         (print, 1.5, "Received: workers=1.5"),
+        (print, 2, "Received: devices_per_worker=-1"),
         ("train()", 2, r"not its result. Received: function='train\(\)'"),
     ],
 )
 def test_the_notebook_launcher_refuses_bad_arguments(function, workers, message):
     with pytest.raises(ValueError, match=message):
-        kerasmulti.launch(function, workers=workers)
+        kerasmulti.launch(function, workers=workers, devices_per_worker=-1 if "devices" in message else None)
 
 
 def _notebook_launch(mode):
@@ -132,3 +142,4 @@ def test_the_notebook_launcher_reports_a_failed_worker():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[worker 1] ValueError: worker 1 broke on purpose" in result.stdout
     assert "launch raised: Worker 1 of 2 failed" in result.stdout
+    assert "the others were stopped. Received: exitcode=1" in result.stdout

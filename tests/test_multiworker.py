@@ -65,26 +65,32 @@ def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_bat
     assert not os.path.exists(tmp_path / "clobbered.h5")
 
 
-def _start_worker(hosts, index, *args):
+def _start_worker(hosts, index, log, *args):
     env = {**ENV, "TF_CONFIG": _launch.tf_config(hosts, index)}
     return subprocess.Popen(
         [sys.executable, os.path.join(WORKERS, "multi_worker_resume.py"), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
     )
 
 
 def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path):
     hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
-    chief, doomed = (_start_worker(hosts, i, str(tmp_path), "--die-at-epoch", "1") for i in range(2))
-    doomed.wait(timeout=240)
-    died = time.monotonic()
+    logs = [open(tmp_path / f"log-{i}.txt", "w") for i in range(2)]
+    chief, doomed = (_start_worker(hosts, i, logs[i], str(tmp_path), "--die-at-epoch", "1") for i in range(2))
     try:
-        output, _ = chief.communicate(timeout=120)
+        doomed.wait(timeout=240)
+        died = time.monotonic()
+        chief.wait(timeout=120)
     finally:
         chief.kill()
+        doomed.kill()
+        for log in logs:
+            log.close()
+    output = (tmp_path / "log-0.txt").read_text()
     assert doomed.returncode == -9
-    print(f"survivor stopped {time.monotonic() - died:.1f} s after the kill")
-    assert time.monotonic() - died < 90  # the survivor did not wait forever
+    stopped = time.monotonic() - died
+    print(f"survivor stopped {stopped:.1f} s after the kill")
+    assert stopped < 60  # the survivor did not wait forever (about 9 s measured)
     assert chief.returncode != 0
     assert "a worker of the cluster is gone" in output and "Start the whole job again" in output, output[-3000:]
     assert not os.path.exists(tmp_path / "final-0.npz")
@@ -93,13 +99,17 @@ def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_los
     restarted = _launch_workers("multi_worker_resume.py", str(tmp_path))
     assert "[worker 0] epoch 0 done" not in restarted.stdout  # resumed, not started over
     assert "[worker 0] epoch 3 done" in restarted.stdout
+    assert "[worker 0] 4/4 - " in restarted.stdout  # progress lines: the chief's only
+    assert "[worker 1] 4/4 - " not in restarted.stdout
     _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
     reference = np.load(tmp_path / "final-reference.npz")
     for index in range(2):
         final = np.load(tmp_path / f"final-{index}.npz")
         for key in reference.files:
             np.testing.assert_allclose(final[key], reference[key], rtol=1e-5, atol=1e-6)
-    saved = keras.models.load_model(tmp_path / "model.keras")  # written by the chief alone
+    assert not os.path.exists(tmp_path / "model-1.keras")  # worker 1 never wrote
+    saved = keras.models.load_model(tmp_path / "model-0.keras")
     np.testing.assert_allclose(saved.get_weights()[0], reference["arr_0"], rtol=1e-5, atol=1e-6)
     assert not os.path.exists(tmp_path / "backup")  # deleted once training finished
     assert not [name for name in os.listdir(tmp_path) if "tmp" in name]
+    assert "4/4 - " not in (tmp_path / "log-1.txt").read_text()

@@ -2,7 +2,8 @@
 
 `multi_worker_resume.py OUT [--die-at-epoch K] [--reference]`: trains for 4
 epochs with ParallelBackupAndRestore (OUT/backup) and ParallelModelCheckpoint
-(OUT/model.keras). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
+(OUT/model-<index>.keras: only the chief's may appear), with progress lines
+(only the chief's may appear). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
 the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
 --reference trains the plain template in one process (OUT/final-reference.npz).
 """
@@ -41,9 +42,9 @@ callbacks = [Die()]
 if not reference:
     callbacks = [
         kerasmulti.ParallelBackupAndRestore(os.path.join(out, "backup")),
-        kerasmulti.ParallelModelCheckpoint(os.path.join(out, "model.keras")),
+        kerasmulti.ParallelModelCheckpoint(os.path.join(out, f"model-{index}.keras")),
         *callbacks,
     ]
-target.fit(x, y, batch_size=16, epochs=4, shuffle=False, callbacks=callbacks, verbose=0)
+target.fit(x, y, batch_size=16, epochs=4, shuffle=False, callbacks=callbacks, verbose=2)
 np.savez(os.path.join(out, f"final-{'reference' if reference else index}.npz"), *template.get_weights())
 print("done", flush=True)
