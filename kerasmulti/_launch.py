@@ -215,9 +215,10 @@ def _tensorflow_started() -> bool:
         return False
     from tensorflow.python.eager import context
 
-    # Listing physical devices starts the GPU driver, which a fork cannot inherit.
+    # Finding a GPU starts its driver, which a forked process cannot use.
     started = context.context()
-    return started._initialized or started._physical_devices is not None
+    listed = started._physical_devices or []
+    return started._initialized or any(device.device_type == "GPU" for device in listed)
 
 
 def _run_forked(function, args, index, hosts, devices_per_worker, output_fd, results) -> None:
