@@ -54,10 +54,17 @@ class WorkerModel(ParallelModel):
         An optimizer object made outside the scope (as usual) is re-created
         inside it from its config, with its state if it has any: its slots
         must be distributed like the weights. `parallel.optimizer` is then the
-        re-created one.
+        re-created one. Metric objects keep their identity; their variables
+        are moved into the scope, so their results cover every worker.
         """
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
+            # Metric objects made outside the scope (AUC(), ...) hold plain
+            # variables, which every worker would read as its own part only.
+            for name in ("metrics", "weighted_metrics"):
+                for metric in tree.flatten(kwargs.get(name)):
+                    if isinstance(metric, keras.metrics.Metric):
+                        _adopt_variables(metric.variables)
 
     def _resolve_auto_jit_compile(self):
         # XLA would compile the step around the strategy's collectives, a
@@ -300,6 +307,13 @@ def _synchronized_batchnorm(layers):
             layer.synchronized = value
 
 
+def _adopt_variables(variables) -> None:
+    """Re-creates Keras variables in the current strategy scope, keeping their values."""
+    for variable in variables:
+        if not isinstance(variable.value, tf.distribute.DistributedValues):
+            variable._initialize(variable.value.read_value())
+
+
 def adopt(template: keras.Model, strategy) -> WorkerModel:
     """Moves the template's variables into `strategy` and wraps it for training.
 
@@ -312,9 +326,7 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     with _lost_workers_explained("parallelize()"), strategy.scope():
         # `secrets`, not numpy: the user's seeded random streams stay as in one process.
         seed = tf.Variable(secrets.randbelow(2**31 - 1), dtype="int64", trainable=False)
-        for variable in template.variables:
-            if not isinstance(variable.value, tf.distribute.DistributedValues):
-                variable._initialize(variable.value.read_value())
+        _adopt_variables(template.variables)
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)

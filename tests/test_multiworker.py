@@ -45,17 +45,20 @@ def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_bat
     _one_process("multi_worker_fit.py", str(tmp_path), "--reference")
     reference = np.load(tmp_path / "reference.npz")
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
-    for key in reference.files:  # arrays, dataset and per-worker data phases
+    for key in reference.files:  # arrays, dataset, per-worker data and classifier phases
         np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-5, err_msg=key)
         np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
-    assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local"}
+    assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local", "classifier"}
     # Shuffled arrays: the workers see complementary halves of the 15 training
     # rows, together each once per epoch, in a new order each epoch; the last
     # 6 rows are for validation.
-    seen = [w["coverage/seen"] for w in workers]
-    np.testing.assert_array_equal(seen[0] + seen[1], np.tile([1.0] * 15 + [0.0] * 6, (2, 1)))
-    assert seen[0].sum(axis=1).tolist() == [8, 8]
-    assert not np.array_equal(seen[0][0], seen[0][1])
+    once = np.tile([1.0] * 15 + [0.0] * 6, (2, 1))
+    for worker in workers:
+        np.testing.assert_array_equal(worker["coverage/seen"], once)  # a metric covers the cluster
+    here = [w["coverage/seen_here"] for w in workers]
+    np.testing.assert_array_equal(here[0] + here[1], once)
+    assert here[0].sum(axis=1).tolist() == [8, 8]
+    assert not np.array_equal(here[0][0], here[0][1])
     np.testing.assert_array_equal(workers[0]["coverage/val_loss"], workers[1]["coverage/val_loss"])
     assert workers[0]["coverage/val_loss"].shape == (2,)
     # Inference runs on the worker's own devices; only the chief writes files.

@@ -13,8 +13,11 @@ saves OUT/reference.npz. Phases:
 - local: each worker reads different rows, and a different number of them,
   through a per-worker dataset function; one process trains on the
   concatenation of the workers' batches (the shorter worker's end empty).
+- classifier: AUC and accuracy objects made before compile, on rows whose
+  halves (one per worker) differ: their results cover both workers.
 - coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
-  metric counts how often each sample was seen.
+  metric counts how often each sample was seen, across the cluster and (with
+  a plain variable) by each worker.
 - inference: parallel_predict runs on the worker's own devices; only the chief
   may write an output file.
 """
@@ -99,27 +102,48 @@ else:
     target.fit(lambda context: tf.data.Dataset.from_tensor_slices(mine).batch(2), epochs=2, verbose=0)
 save("local", template)
 
+# classifier: metric objects made before compile (AUC keeps vectors of counts);
+# the second half of the rows, worker 1's part, is shifted
+template = model(seed=0, batchnorm=False)
+target = template if reference else kerasmulti.parallelize(template)
+target.compile(optimizer="sgd", loss=keras.losses.BinaryCrossentropy(from_logits=True),
+               metrics=[keras.metrics.AUC(name="auc", from_logits=True), keras.metrics.BinaryAccuracy(threshold=0.0)])
+labels = (x[:, :1] > 0).astype("float32")
+shifted = np.concatenate([x[:12], x[12:] + 1.0])
+history = target.fit(shifted, labels, batch_size=24, epochs=2, shuffle=False, verbose=0).history
+evaluation = target.evaluate(shifted, labels, batch_size=24, verbose=0)
+save("classifier", template, auc=history["auc"], accuracy=history["binary_accuracy"], evaluation=evaluation)
+
 # coverage: the metric counts each sample's id (y) as it is seen
 if not reference:
 
     class Seen(keras.metrics.Metric):
-        def __init__(self):
-            super().__init__(name="seen")
-            self.counts = self.add_variable(shape=(21,), initializer="zeros", name="counts")
+        """Counts each sample id seen: across the cluster, or (here=True) by this worker."""
+
+        def __init__(self, here=False):
+            super().__init__(name="seen_here" if here else "seen")
+            if here:  # a plain variable: parallelize leaves it local to the worker
+                self.counts = tf.Variable(tf.zeros(21))
+            else:
+                self.counts = self.add_variable(shape=(21,), initializer="zeros", name="counts")
 
         def update_state(self, y_true, y_pred, sample_weight=None):
             ids = tf.cast(tf.reshape(y_true, [-1]), "int32")
             self.counts.assign_add(tf.math.bincount(ids, minlength=21, maxlength=21, dtype="float32"))
 
+        def reset_state(self):
+            self.counts.assign(tf.zeros(21))
+
         def result(self):
-            return tf.identity(self.counts)  # a read, summed over workers
+            return tf.identity(self.counts)
 
     template = model(seed=0, batchnorm=False)
     target = kerasmulti.parallelize(template)
-    target.compile(optimizer="sgd", loss="mse", metrics=[Seen()])
+    target.compile(optimizer="sgd", loss="mse", metrics=[Seen(), Seen(here=True)])
     ids = np.arange(21, dtype="float32")[:, None]
     history = target.fit(x, ids, batch_size=4, epochs=2, shuffle=True, validation_split=0.25, verbose=0).history
     results["coverage/seen"] = np.stack(history["seen"])
+    results["coverage/seen_here"] = np.stack(history["seen_here"])
     results["coverage/val_loss"] = np.asarray(history["val_loss"])
 
 # inference
