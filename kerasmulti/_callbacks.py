@@ -126,6 +126,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint):
         explicit = self._explicit_template
         target = model if explicit is None or explicit is unwrap(model) else explicit
         super().set_model(_AtomicSaver(model, target))
+        if not _cluster.is_chief():
+            self.verbose = 0  # it saves nothing here, so it reports nothing
 
     def on_train_begin(self, logs=None):
         if _cluster.is_chief():  # another worker's temporary may be the chief's save in flight
