@@ -19,6 +19,13 @@ around what breaks Keras 3 `fit` there:
   replica empty) gives the gradient of one process on the whole batch.
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device.
+- Objects made outside the scope are brought in: an optimizer is re-created
+  from its config; a metric's variables are re-created, like the template's.
+- Arrays are shuffled with a seed the chief chooses, so every worker keeps
+  its part of the same order; data that differs per worker comes as a
+  dataset function, padded with empty batches to the longest worker's count.
+- fit, evaluate and predict end with a barrier, and a lost worker becomes a
+  `ClusterError` that says to restart the job (it resumes from a backup).
 """
 
 from __future__ import annotations
