@@ -13,6 +13,7 @@ Public API (everything else is private):
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
 - `ParallelBackupAndRestore`: `BackupAndRestore` that resumes a parallel model exactly.
 - `DeviceError`: a device request this machine cannot satisfy (a ValueError).
+- `is_chief()`, `ClusterError`: in a cluster, the process that writes; a cluster that cannot go on.
 """
 
 import os as _os
@@ -30,6 +31,8 @@ from kerasmulti._devices import _simulate_from_environment  # noqa: E402
 _simulate_from_environment()
 
 from kerasmulti import _cluster  # noqa: E402
+from kerasmulti._cluster import ClusterError  # noqa: E402
+from kerasmulti._cluster import is_chief  # noqa: E402
 
 _cluster.start()  # before TensorFlow's first op, which building a model runs
 
@@ -50,6 +53,7 @@ from kerasmulti._summary import placement_summary  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterError",
     "DeviceError",
     "OnDevice",
     "ParallelBackupAndRestore",
@@ -58,6 +62,7 @@ __all__ = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "is_chief",
     "launch",
     "on_device",
     "parallel_predict",

@@ -27,7 +27,26 @@ _start_error: Exception | None = None
 
 
 class ClusterError(RuntimeError):
-    """This process's cluster (`TF_CONFIG`) cannot be used for training."""
+    """Multi-worker training cannot go on: the cluster could not be joined, or a worker is gone.
+
+    A `RuntimeError`, so `except RuntimeError` keeps working. Its message says
+    what to do (import kerasmulti first; start the job again, which resumes
+    from a `ParallelBackupAndRestore` backup) and ends with `Received: ...`.
+
+    Example:
+
+    ```python
+    import kerasmulti  # first, in a script started by `kerasmulti launch`
+    import keras, numpy as np
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model)
+    parallel.compile(optimizer="sgd", loss="mse")
+    try:
+        parallel.fit(np.ones((64, 4)), np.ones((64, 1)), batch_size=16, verbose=0)
+    except kerasmulti.ClusterError as error:
+        print(error)  # e.g. a worker was killed: restart the job
+    ```
+    """
 
 
 def config() -> dict | None:
@@ -54,7 +73,27 @@ def config() -> dict | None:
 
 
 def is_chief() -> bool:
-    """Whether this process writes files and logs: the chief, or worker 0 without one."""
+    """Whether this process is the one that writes files and prints logs.
+
+    In a cluster (`TF_CONFIG`) that is the `chief` task, or worker 0 when there
+    is none; kerasmulti's checkpoints, `save()` and progress bars write there
+    only, and a script's own files and prints should too. Outside a cluster
+    it is always True.
+
+    Returns:
+        True on the chief or outside a cluster, False on the other workers.
+
+    Raises:
+        ClusterError: If `TF_CONFIG` is set but malformed.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    if kerasmulti.is_chief():
+        print("results go here")  # printed once, not once per worker
+    ```
+    """
     parsed = config()
     if parsed is None:
         return True

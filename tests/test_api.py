@@ -5,6 +5,7 @@ import inspect
 import kerasmulti
 
 PUBLIC = [
+    "ClusterError",
     "DeviceError",
     "OnDevice",
     "ParallelBackupAndRestore",
@@ -13,6 +14,7 @@ PUBLIC = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "is_chief",
     "launch",
     "on_device",
     "parallel_predict",

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import kerasmulti
 from kerasmulti import _cluster, _launch, _multiworker
 
 
@@ -29,7 +30,7 @@ def test_no_tf_config_or_a_one_task_cluster_is_no_cluster(monkeypatch):
 )
 def test_the_chief_is_the_chief_task_or_else_worker_0(monkeypatch, config, chief):
     monkeypatch.setenv("TF_CONFIG", config)
-    assert _cluster.is_chief() is chief
+    assert kerasmulti.is_chief() is chief
 
 
 @pytest.mark.parametrize(
