@@ -187,7 +187,7 @@ class WorkerModel(ParallelModel):
             local * context.num_replicas_in_sync, context.all_reduce("sum", local)
         )
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape, self._synchronized(bool(self._batchnorm)):
+        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
             y_pred = self(x, training=True)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
@@ -203,14 +203,6 @@ class WorkerModel(ParallelModel):
 
     def test_step(self, data):
         return _with_leading_axis(keras.Model.test_step(self, data))
-
-    def predict_step(self, data):
-        return keras.Model.predict_step(self, data)
-
-    def _synchronized(self, enabled):
-        if not enabled:
-            return contextlib.nullcontext()
-        return _synchronized_batchnorm(self._batchnorm)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras reduces the first distributed batch to build the model, which
