@@ -46,11 +46,10 @@ one intra-op thread each and N inter-op threads, so N replicas can keep N
 cores busy while model.predict gets about one; on GPUs the script uses the
 first N GPUs and leaves TensorFlow's threading alone.
 
-Noise: on the 2-core development machine TensorFlow 2.21's runtime runs whole
-predict calls at one of two speeds, seemingly at random (see README.md), so a
-median of few repeats can land on the slow speed for one variant and the fast
-one for another; the per-repeat numbers are printed to show which speed each
-run got. The script prints whether the targets are met but always exits 0: a
+Noise: `model.predict` is fed a tf.data pipeline without autotuning (see
+`_common.dataset`), which removed the iterator teardown stall that once made
+whole calls run at one of two speeds; the per-repeat numbers are printed to
+show the spread. The script prints whether the targets are met but always exits 0: a
 benchmark reports, it does not fail.
 
 Usage:

@@ -14,27 +14,23 @@ The weights of the first are copied into the second, and their predictions
 must agree (allclose) before anything is timed; after the warm-up epoch (same
 data, unshuffled) their weights are compared again. The script also prints the
 devices that the convolutions of one traced training step ask for, forward
-and backward: `device_scope` places the layer calls, and an op without a
-device runs on the default device. When this was written, every gradient op
-had none, so the whole backward pass (and every weight) sat on the default
-device; on simulated CPU devices that costs nothing measurable (they share
-one thread pool), on GPUs it would.
+and backward (`OnDevice` takes each branch's gradients on its device).
 
-Caveats, as for `bench_data_parallel.py` (see README.md):
+Both variants are compiled with `jit_compile=False`: a placed model runs
+without XLA (XLA would compile the step for one device), so this compares
+placement alone. With GPUs Keras would give the one-device model XLA by
+default, so there a third row, "one device (XLA)", shows what that gives.
 
-- Without GPUs the CPU is split into N logical devices (`simulate_devices`)
-  with one intra-op thread each and N inter-op threads. The one-device model
-  is not held to one core, though: its branches are independent ops, and
-  TensorFlow's executor overlaps them on the N inter-op threads whatever
-  device they are on. So the one-device model can already use N cores, and
-  the measurable gain of placing the branches is capped well below N; on
-  CPU this benchmark mostly shows the cost (or not) of splitting the step
-  across devices. On GPUs the script uses the first N GPUs and leaves
-  TensorFlow's threading alone; there the gain is real.
-- On the 2-core development machine TensorFlow 2.21 runs whole epochs (and
-  predict calls) at one of two speeds, seemingly at random, up to 2x apart,
-  with or without kerasmulti. The per-repeat numbers show which speed each
-  run got; use more repeats (`--repeats 9`) before drawing conclusions.
+Caveat, as for `bench_data_parallel.py` (see README.md): without GPUs the CPU
+is split into N logical devices (`simulate_devices`) with one intra-op thread
+each and N inter-op threads. The one-device model is not held to one core,
+though: its branches are independent ops, and TensorFlow's executor overlaps
+them on the N inter-op threads whatever device they are on (logical CPU
+devices share one thread pool). So on CPU the one-device model already runs
+its branches side by side, and this benchmark shows only the cost (or not) of
+splitting the step across devices. On GPUs the script uses the first N GPUs
+and leaves TensorFlow's threading alone; a GPU runs one device's kernels in
+one stream, so there the branches overlap only when placed apart.
 
 Each variant is warmed up first (one epoch and one predict), so tracing is not
 timed. The timed runs are interleaved: every repeat runs each variant once in
@@ -87,7 +83,7 @@ def branch(x, prefix: str):
     return keras.layers.GlobalAveragePooling2D(name=f"{prefix}_features")(x)
 
 
-def build_model(branches: int, devices: list[str] | None) -> keras.Model:
+def build_model(branches: int, devices: list[str] | None, jit_compile: bool = False) -> keras.Model:
     """N branches, each under `device_scope(devices[i])` if devices are given.
 
     Same seed and layer names for every variant, so both start from identical
@@ -105,7 +101,7 @@ def build_model(branches: int, devices: list[str] | None) -> keras.Model:
     merged = keras.layers.Concatenate(name="concat")(features)
     outputs = keras.layers.Dense(CLASSES, activation="softmax", name="head")(merged)
     model = keras.Model(inputs, outputs, name="placed" if devices else "one_device")
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=jit_compile)
     return model
 
 
@@ -189,6 +185,15 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
             copy_weights(one.model, placed.model)
     except Exception as error:  # reported in the table, never raised
         record_failure(placed, error)
+    if tf.config.list_physical_devices("GPU"):
+        xla = Variant("one device (XLA)")
+        try:
+            xla.model = build_model(n, None, jit_compile=True)
+            copy_weights(one.model, xla.model)
+            xla.scope = one.scope
+        except Exception as error:  # reported in the table, never raised
+            record_failure(xla, error)
+        variants.append(xla)
     return variants
 
 

@@ -8,7 +8,10 @@ so fit, evaluate, predict, plain calls and `tf.function` traces all honour it.
 `device_scope(device)` does the same for every layer called inside the
 `with` block while the model is built. A layer called under two scopes gets
 two `OnDevice` wrappers around the same layer object: one set of weights,
-each call on its own device.
+each call on its own device. The wrapper computes the layer's gradients on
+its device too, passes Keras masks in and out, and keeps XLA off (Keras'
+`jit_compile="auto"` reads `supports_jit`), since XLA compiles a whole step
+for one device.
 
 `OnDevice` serialises like Keras' own wrappers (the inner layer through
 Keras' object sharing, so shared layers stay shared in a `.keras` file). A
@@ -27,6 +30,7 @@ from typing import Mapping
 import keras
 import tensorflow as tf
 from keras.src.backend.common import global_state
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from kerasmulti._devices import _canonical, known_devices, resolve_device
 
@@ -86,7 +90,13 @@ class OnDevice(keras.layers.Layer):
         super().__init__(**kwargs)
         self.layer = layer
         self.device = device if _validated else _canonical(device)
-        self._call_has_training = "training" in getattr(layer, "call_signature_parameters", [])
+        parameters = getattr(layer, "call_signature_parameters", [])
+        self._call_has_training = "training" in parameters
+        self._call_has_mask = "mask" in parameters
+        # XLA compiles a whole step for one device: placement would be lost,
+        # and a fit step reading weights on another device fails. Keras'
+        # jit_compile="auto" (on with a GPU) reads this and stays off.
+        self.supports_jit = False
 
     def build(self, *args, **kwargs):
         self.built = True
@@ -106,22 +116,34 @@ class OnDevice(keras.layers.Layer):
             )
         return contextlib.nullcontext()
 
-    def call(self, inputs, *args, training=None, **kwargs):
+    def _layer_kwargs(self, kwargs, training, mask):
         if self._call_has_training:
             kwargs["training"] = training
+        if self._call_has_mask and mask is not None:
+            kwargs["mask"] = mask
+        return kwargs
+
+    def call(self, inputs, *args, training=None, mask=None, **kwargs):
+        kwargs = self._layer_kwargs(kwargs, training, mask)
         scope = self._scope()
         if isinstance(scope, contextlib.nullcontext):
             with _suspended():
                 return self.layer(inputs, *args, **kwargs)
         return _on_device_with_gradients(self.layer, self.device, inputs, args, kwargs)
 
-    def compute_output_spec(self, inputs, *args, training=None, **kwargs):
+    def compute_output_spec(self, inputs, *args, training=None, mask=None, **kwargs):
         # A symbolic call, not compute_output_spec: it also builds the layer,
         # so its weights exist when the model is built, saved or loaded.
         # Under the device scope: a layer built here creates its weights on
         # its device, so placement also splits the memory of the weights.
         with _suspended(), self._scope():
-            return self.layer(inputs, *args, **kwargs)
+            return self.layer(inputs, *args, **self._layer_kwargs(kwargs, training, mask))
+
+    def compute_mask(self, inputs, previous_mask):
+        # Used only when the wrapped call left no mask on its outputs.
+        if self.layer.supports_masking:
+            return self.layer.compute_mask(inputs, previous_mask)
+        return None
 
     def get_config(self):
         return {
@@ -173,6 +195,12 @@ def _on_device_with_gradients(layer, device, inputs, args, kwargs):
         return flat_outputs, grad
 
     flat_outputs = forward(*[tf.convert_to_tensor(t) for t in flat_inputs])
+    # The custom gradient returns new tensors: carry the layer's output masks
+    # over (boolean, so they need no gradient).
+    for inner, outer in zip(keras.tree.flatten(results["outputs"]), flat_outputs):
+        mask = get_keras_mask(inner)
+        if mask is not None:
+            set_keras_mask(outer, mask)
     return keras.tree.pack_sequence_as(results["outputs"], list(flat_outputs))
 
 

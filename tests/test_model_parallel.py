@@ -211,3 +211,82 @@ def test_scopes_nest_and_end_cleanly():
     assert devices["inner_on_cpu2"] == "/device:CPU:2"
     assert devices["after"] is None
     assert keras.layers.Layer.__call__.__name__ == "__call__"  # the scope's hook is gone
+
+
+def _masked_tweets(placement):
+    """Embedding(mask_zero) then a shared LSTM over two padded sequences.
+
+    `placement` is "none", "scope" (every layer call under device_scope),
+    "in" (the LSTM wrapped, the mask comes in) or "out" (a wrapped sub-model
+    whose output carries the mask out to an unplaced LSTM).
+    """
+    keras.utils.set_random_seed(7)
+    tweet_a, tweet_b = keras.Input((6,), dtype="int32"), keras.Input((6,), dtype="int32")
+    embed, shared_lstm = keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.LSTM(8)
+    if placement == "scope":
+        with kerasmulti.device_scope("/cpu:1"):
+            encoded_a = shared_lstm(embed(tweet_a))
+        with kerasmulti.device_scope("/cpu:2"):
+            encoded_b = shared_lstm(embed(tweet_b))
+    elif placement == "in":
+        lstm_a, lstm_b = kerasmulti.on_device(shared_lstm, "/cpu:1"), kerasmulti.on_device(shared_lstm, "/cpu:2")
+        encoded_a, encoded_b = lstm_a(embed(tweet_a)), lstm_b(embed(tweet_b))
+    elif placement == "out":
+        embedder = keras.Sequential([keras.Input((6,), dtype="int32"), embed, keras.layers.Dense(4)])
+        placed = kerasmulti.on_device(embedder, "/cpu:1")
+        encoded_a, encoded_b = shared_lstm(placed(tweet_a)), shared_lstm(placed(tweet_b))
+    else:
+        encoded_a, encoded_b = shared_lstm(embed(tweet_a)), shared_lstm(embed(tweet_b))
+    merged = keras.layers.concatenate([encoded_a, encoded_b], axis=-1)
+    return keras.Model([tweet_a, tweet_b], keras.layers.Dense(1, activation="sigmoid")(merged))
+
+
+def _padded(rows=12):
+    tokens = RNG.integers(1, 20, size=(rows, 6))
+    lengths = RNG.integers(1, 7, size=(rows, 1))
+    return np.where(np.arange(6) < lengths, tokens, 0).astype("int32")
+
+
+@pytest.mark.parametrize("placement", ["scope", "in"])
+def test_masks_cross_placed_layers_like_unplaced_ones(placement):
+    placed, plain = _masked_tweets(placement), _masked_tweets("none")
+    plain.set_weights(placed.get_weights())
+    x, y = [_padded(), _padded()], (RNG.random((12, 1)) > 0.5).astype("float32")
+    # Without its mask the LSTM would read the padding: the answers would differ.
+    np.testing.assert_allclose(placed.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    for m in (placed, plain):
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(placed.fit(x, y, **fit).history["loss"], plain.fit(x, y, **fit).history["loss"], rtol=1e-5)
+
+
+def test_a_placed_sub_model_passes_its_output_mask_on():
+    placed = _masked_tweets("out")
+    keras.utils.set_random_seed(7)
+    tweet_a, tweet_b = keras.Input((6,), dtype="int32"), keras.Input((6,), dtype="int32")
+    embedder = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4, mask_zero=True), keras.layers.Dense(4)])
+    shared_lstm = keras.layers.LSTM(8)
+    merged = keras.layers.concatenate([shared_lstm(embedder(tweet_a)), shared_lstm(embedder(tweet_b))], axis=-1)
+    plain = keras.Model([tweet_a, tweet_b], keras.layers.Dense(1, activation="sigmoid")(merged))
+    plain.set_weights(placed.get_weights())
+    x = [_padded(), _padded()]
+    np.testing.assert_allclose(placed.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    assert (x[0] == 0).any() and (x[1] == 0).any()  # padding is present: a lost mask would show
+
+
+def test_xla_stays_off_for_placed_models(monkeypatch):
+    # With a GPU, Keras' jit_compile="auto" turns XLA on; XLA would compile
+    # the step for one device, and fit would fail reading weights elsewhere.
+    real = tf.config.list_physical_devices
+    gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: real(kind) + ([gpu] if kind in (None, "GPU") else []))
+    placed, plain = _towers(), _towers(placed=False)
+    for model in (placed, plain):
+        model.compile(optimizer="sgd", loss="mse")
+    assert plain.jit_compile is True and placed.jit_compile is False
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="doesn't support `jit_compile=True`"):
+        placed.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert placed.jit_compile is False
+    x, y = _pairs(shape=(5,)), RNG.normal(size=(12, 1)).astype("float32")
+    assert np.isfinite(placed.fit(x, y, epochs=1, verbose=0).history["loss"][0])
