@@ -17,7 +17,6 @@ the whole batch. BatchNormalization is synchronised, see `_replicas.py`.
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from typing import Sequence
 
@@ -135,7 +134,7 @@ class ParallelModel(keras.Model):
             return y_pred, loss, gradients
 
         synchronized = bool(self._batchnorm)
-        with self._synchronized(synchronized), _deferred_loss_metrics(self) as flush:
+        with self._synchronized(synchronized), _split.deferred_loss_metrics(self) as flush:
             results = _replicas.run(
                 self._devices_for(shards), replica, synchronized, self.variables
             )
@@ -144,7 +143,7 @@ class ParallelModel(keras.Model):
                 y_pred = _split.merge([r[0] for r in results], shards)
                 loss = tf.add_n([r[1] for r in results])
                 gradients = [
-                    _sum([r[2][k] for r in results]) for k in range(len(trainable))
+                    _split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))
                 ]
         self._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
@@ -204,56 +203,6 @@ class ParallelModel(keras.Model):
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
-
-
-def _sum(gradients):
-    present = [
-        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-        for g in gradients
-        if g is not None
-    ]
-    return tf.add_n(present) if present else None
-
-
-@contextlib.contextmanager
-def _deferred_loss_metrics(model):
-    """Per-output loss trackers record the batch's loss once, not per replica.
-
-    Keras' `CompileLoss` updates one Mean per output each time it is called;
-    called per shard it would average shard losses unweighted. Inside this
-    context the updates are collected per replica and `flush(shares, batch)`
-    applies their share-weighted sum once, as one device would.
-    """
-    compile_loss = getattr(model, "_compile_loss", None)
-    metrics = list(getattr(compile_loss, "metrics", None) or [])
-    recorded = {id(m): {} for m in metrics}
-    lock = threading.Lock()
-
-    def recorder(metric):
-        def update_state(values, sample_weight=None):
-            with lock:
-                recorded[id(metric)][_replicas.replica_id()] = values
-
-        return update_state
-
-    for metric in metrics:
-        metric.update_state = recorder(metric)
-
-    def flush(shares, batch):
-        for metric in metrics:
-            values = recorded[id(metric)]
-            if not values:
-                continue
-            combined = tf.add_n([shares[i] * tf.cast(v, tf.float32) for i, v in values.items()])
-            type(metric).update_state(
-                metric, combined, sample_weight=batch if isinstance(batch, int) else None
-            )
-
-    try:
-        yield flush
-    finally:
-        for metric in metrics:
-            del metric.update_state
 
 
 def _refuse_unsplittable(model) -> None:

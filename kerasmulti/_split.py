@@ -1,4 +1,4 @@
-"""Splitting a batch into per-replica shards and merging their outputs.
+"""Splitting a batch into per-replica shards and merging what they return.
 
 A batch of B rows over n devices becomes min(n, B) shards whose sizes differ by
 at most one, in order. When B is known while tracing (eager calls, the first
@@ -6,15 +6,20 @@ compiled step), idle replicas are simply not run. When B is only known at run
 time (a compiled step retraced for a smaller last batch), every replica is
 traced; a replica whose shard is empty computes on one borrowed row and gets
 weight zero, so no device ever sees an empty tensor and nothing it computes
-reaches the result.
+reaches the result. Gradients are summed, and per-output loss trackers
+record the share-weighted sum of the replicas' losses once per batch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 from keras import tree
+
+from kerasmulti import _replicas
 
 
 class Shard(NamedTuple):
@@ -119,3 +124,54 @@ def merge(outputs: list, shards: list[Shard]):
         for out, s in zip(outputs, shards)
     ]
     return tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *trimmed)
+
+
+def sum_gradients(gradients):
+    """Sums one variable's gradients from all replicas (None where none has one)."""
+    present = [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+        if g is not None
+    ]
+    return tf.add_n(present) if present else None
+
+
+@contextlib.contextmanager
+def deferred_loss_metrics(model):
+    """Per-output loss trackers record the batch's loss once, not per replica.
+
+    Keras' `CompileLoss` updates one Mean per output each time it is called;
+    called per shard it would average shard losses unweighted. Inside this
+    context the updates are collected per replica and `flush(shares, batch)`
+    applies their share-weighted sum once, as one device would.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    metrics = list(getattr(compile_loss, "metrics", None) or [])
+    recorded = {id(m): {} for m in metrics}
+    lock = threading.Lock()
+
+    def recorder(metric):
+        def update_state(values, sample_weight=None):
+            with lock:
+                recorded[id(metric)][_replicas.replica_id()] = values
+
+        return update_state
+
+    for metric in metrics:
+        metric.update_state = recorder(metric)
+
+    def flush(shares, batch):
+        for metric in metrics:
+            values = recorded[id(metric)]
+            if not values:
+                continue
+            combined = tf.add_n([shares[i] * tf.cast(v, tf.float32) for i, v in values.items()])
+            type(metric).update_state(
+                metric, combined, sample_weight=batch if isinstance(batch, int) else None
+            )
+
+    try:
+        yield flush
+    finally:
+        for metric in metrics:
+            del metric.update_state
