@@ -166,7 +166,7 @@ class ParallelModel(keras.Model):
     def _synchronized(self, enabled):
         if not enabled:
             return contextlib.nullcontext()
-        return _replicas.synchronized_batchnorm(self._batchnorm)
+        return _replicas.synchronized(self, self._batchnorm)
 
     # The wrapper is a view: persistence acts on the template.
 

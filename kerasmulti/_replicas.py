@@ -13,7 +13,10 @@ the mean), then their squared deviations from it (for the variance), exactly
 as one device would compute them. The sums are differentiable all-reduces, so
 gradients flowing through the statistics reach every replica. Only replica 0 updates the moving statistics, once per step.
 The cost is two small all-reduces per BatchNormalization layer forward and two backward per step, and a
-synchronisation point at each: replicas wait for the slowest one.
+synchronisation point at each: replicas wait for the slowest one. While
+replicas take turns mid-forward, the losses layers add in `call` (activity
+regularisers) are kept per replica thread, so each replica's loss counts its
+own.
 """
 
 from __future__ import annotations
@@ -201,9 +204,51 @@ def _expand(stat, x, axes):
     return stat
 
 
+class _PerReplicaLosses:
+    """A layer's `_losses` list, one per replica thread.
+
+    Keras keeps the losses a layer adds in `call` (activity regularisers,
+    `add_loss`) on the layer, and each top-level call clears them. Replicas
+    traced on threads take turns mid-forward (at every BatchNormalization),
+    so with one shared list a replica would clear or count another's losses.
+    """
+
+    def __init__(self):
+        self._lists: dict[int, list] = {}
+
+    def _mine(self) -> list:
+        return self._lists.setdefault(replica_id(), [])
+
+    def extend(self, losses):
+        self._mine().extend(losses)
+
+    def append(self, loss):
+        self._mine().append(loss)
+
+    def clear(self):
+        self._mine().clear()
+
+    def __getitem__(self, index):
+        return self._mine()[index]
+
+    def __iter__(self):
+        return iter(self._mine())
+
+    def __len__(self):
+        return len(self._mine())
+
+
 @contextlib.contextmanager
-def synchronized_batchnorm(bn_layers: list):
-    """Makes `bn_layers` use whole-batch statistics inside `run(..., synchronized=True)`."""
+def synchronized(model, bn_layers: list):
+    """Sets up `run(..., synchronized=True)` for `model`'s replicas.
+
+    `bn_layers` use whole-batch statistics, and every layer keeps the losses
+    it adds per replica. (The lists bypass Keras' attribute tracking.)
+    """
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    saved = [layer.__dict__["_losses"] for layer in layers]
+    for layer in layers:
+        layer.__dict__["_losses"] = _PerReplicaLosses()
     for layer in bn_layers:
         layer.call = _synchronized_call(layer, type(layer).call.__get__(layer))
     try:
@@ -211,6 +256,8 @@ def synchronized_batchnorm(bn_layers: list):
     finally:
         for layer in bn_layers:
             del layer.call
+        for layer, losses in zip(layers, saved):
+            layer.__dict__["_losses"] = losses
 
 
 def set_valid(size) -> None:

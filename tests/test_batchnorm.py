@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kerasmulti
 from conftest import DEVICES
@@ -70,3 +71,45 @@ def test_a_replica_that_fails_while_synchronised_raises_instead_of_hanging():
             parallel(np.ones((6, 1), "float32"), training=True)
     finally:
         _replicas._synchronized_call = original
+
+
+def test_activity_regularisers_count_each_replica_once():
+    # Replicas of a BatchNormalization model are traced on threads; the losses
+    # that layers add while tracing must stay with the replica that added them.
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(6, activity_regularizer=keras.regularizers.L2(0.1)),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3, activity_regularizer=keras.regularizers.L1(0.05)),
+            keras.layers.Dense(1),
+        ])
+
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(24, 4)).astype("float32"), rng.normal(size=(24, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    losses = []
+    for m in (reference, parallel):
+        m.compile(optimizer="sgd", loss="mse")
+        losses.append(m.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0).history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+def test_dropout_masks_differ_between_replicas_traced_on_threads():
+    # Each replica draws its own Dropout seed, before and after the
+    # BatchNormalization where the replica threads meet.
+    inputs = keras.Input((256,))
+    before = keras.layers.Dropout(0.5)(inputs)
+    after = keras.layers.Dropout(0.5)(keras.layers.BatchNormalization(center=False, scale=False)(inputs))
+    parallel = kerasmulti.parallelize(keras.Model(inputs, [before, after]), gpus=DEVICES)
+    x = np.random.default_rng().normal(loc=3.0, size=(DEVICES, 256)).astype("float32")
+    step = tf.function(lambda x: parallel(x, training=True))
+    for _ in range(3):
+        for output in step(x):
+            kept = np.asarray(output) != 0  # one row per replica
+            assert 0 < kept.mean() < 1
+            assert len({row.tobytes() for row in kept}) == DEVICES
