@@ -8,10 +8,11 @@ wrapper trains the template, and saving either saves the template.
 
 Training does not back-propagate through the merged output (slow, see
 FINDINGS.md): each replica computes its loss and gradients on its shard, and
-the gradients are summed weighted by each shard's share of the batch. Keras
-losses averaged over the batch make that sum equal to the one-device gradient.
-Metrics are computed once on the merged output, so stateful metrics (AUC) see
-the whole batch. BatchNormalization is synchronised, see `_replicas.py`.
+the gradients are summed. Each replica's loss is its part of the whole
+batch's (`_losses.py`), so the sum equals the one-device gradient for every
+Keras loss reduction, masked losses included. Metrics are computed once on
+the merged output, so stateful metrics (AUC) see the whole batch.
+BatchNormalization is synchronised, see `_replicas.py`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Sequence
 
 import keras
 import tensorflow as tf
+from keras.src import backend
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kerasmulti import _cluster, _devices, _replicas, _split
+from kerasmulti import _cluster, _devices, _losses, _replicas, _split
 
 
 class ParallelModel(keras.Model):
@@ -118,28 +120,33 @@ class ParallelModel(keras.Model):
             return super().train_step(data)
         trainable = self.trainable_weights
         shares = _split.weights(shards, batch)
+        self._build_compile_loss(x, y, sample_weight)
 
         pieces = self._slice((x, y, sample_weight), shards)
 
         def replica(i):
             _replicas.set_valid(shards[i].size)
             x_i, y_i, sw_i = pieces[i]
-            with tf.GradientTape() as tape:
+            part = _losses.replica_part(
+                shares[i], _replicas.valid(), shards[i].take, _replicas.cross_replica_sum
+            )
+            with tf.GradientTape() as tape, part:
                 y_pred = self._template(x_i, training=True)
-                loss = shares[i] * self._compute_loss(
+                loss = self._compute_loss(
                     x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=True
                 )
                 scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
             gradients = tape.gradient(scaled, trainable) if trainable else []
             return y_pred, loss, gradients
 
-        synchronized = bool(self._batchnorm)
-        with self._synchronized(synchronized), _split.deferred_loss_metrics(self) as flush:
+        # Synchronised: the replicas' losses need the whole batch's totals
+        # (see _losses), and BatchNormalization its statistics.
+        with self._synchronized(True), _split.deferred_loss_metrics(self) as flush:
             results = _replicas.run(
-                self._devices_for(shards), replica, synchronized, self.variables
+                self._devices_for(shards), replica, True, self.variables
             )
             with tf.device(self._merge_device):
-                flush(shares, batch)
+                flush(batch)
                 y_pred = _split.merge([r[0] for r in results], shards)
                 loss = tf.add_n([r[1] for r in results])
                 gradients = [
@@ -153,6 +160,25 @@ class ParallelModel(keras.Model):
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _build_compile_loss(self, x, y, sample_weight):
+        """Builds Keras' loss (and its per-output trackers) before the replicas run.
+
+        Without a distribution strategy Keras builds it in the first step's
+        loss call, and the trackers it creates then would miss
+        `_split.deferred_loss_metrics`. This is the build Keras does with a
+        strategy (`_symbolic_build`): symbolic, so no op reaches the step.
+        """
+        if self._compile_loss is None or self._compile_loss.built:
+            return
+        y_pred = backend.compute_output_spec(self._template, x, training=False)
+        backend.compute_output_spec(
+            self._compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
+        )
+
+    def _aggregate_additional_loss(self, loss):
+        # Regularisers and add_loss: each replica adds its share.
+        return _losses.additional_part(super()._aggregate_additional_loss(loss))
 
     def _slice(self, structure, shards):
         # Slice where the batch arrives (the host, for a tf.data pipeline), so

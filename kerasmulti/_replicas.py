@@ -1,22 +1,25 @@
 """Running one function per replica device, and synchronised BatchNormalization.
 
-Replicas are traced one after another on the calling thread, each under its
-own `tf.device` scope; TensorFlow's executor then runs the independent replica
-graphs concurrently. A training step of a model with BatchNormalization is the
-exception: each BatchNormalization layer must normalise with the statistics of
-the *whole* batch, as one device would, so every replica needs the others'
-statistics in the middle of its forward pass. Such steps trace each replica on
-its own thread (as `tf.distribute.MirroredStrategy` does, one thread tracing
-at a time); the threads meet at
-every BatchNormalization call, sum per channel their row counts and sums (for
-the mean), then their squared deviations from it (for the variance), exactly
-as one device would compute them. The sums are differentiable all-reduces, so
-gradients flowing through the statistics reach every replica. Only replica 0 updates the moving statistics, once per step.
-The cost is two small all-reduces per BatchNormalization layer forward and two backward per step, and a
-synchronisation point at each: replicas wait for the slowest one. While
-replicas take turns mid-forward, the losses layers add in `call` (activity
-regularisers) are kept per replica thread, so each replica's loss counts its
-own.
+Replicas are traced under their own `tf.device` scopes; TensorFlow's executor
+then runs the independent replica graphs concurrently. Forward passes (predict)
+are traced one after another on the calling thread. Training steps need values
+of the whole batch while a replica is being traced: the batch's totals that
+its loss divides by (`_losses`), and the statistics of every
+BatchNormalization layer, which must normalise with the *whole* batch, as one
+device would. Such steps trace each replica on its own thread (as
+`tf.distribute.MirroredStrategy` does, one thread tracing at a time), and the
+threads meet where they need each other's values (`cross_replica_sum`).
+
+At every BatchNormalization call the replicas sum per channel their row counts
+and sums (for the mean), then their squared deviations from it (for the
+variance), exactly as one device would compute them. The sums are
+differentiable all-reduces, so gradients flowing through the statistics reach
+every replica. Only replica 0 updates the moving statistics, once per step.
+The cost is two small all-reduces per BatchNormalization layer forward and two
+backward per step, and a synchronisation point at each: replicas wait for the
+slowest one. While replicas take turns mid-forward, the losses layers add in
+`call` (activity regularisers) are kept per replica thread, so each replica's
+loss counts its own.
 """
 
 from __future__ import annotations
@@ -258,6 +261,19 @@ def synchronized(model, bn_layers: list):
             del layer.call
         for layer, losses in zip(layers, saved):
             layer.__dict__["_losses"] = losses
+
+
+def cross_replica_sum(value):
+    """`value` summed over the replicas of a synchronised run (not differentiated)."""
+    rendezvous = getattr(_local, "sync", None)
+    if rendezvous is None:
+        return value
+    return tf.add_n(rendezvous.all_gather(tf.stop_gradient(value)))
+
+
+def valid():
+    """1 if this replica's rows count, 0 if it computes on a borrowed row."""
+    return getattr(_local, "valid", 1.0)
 
 
 def set_valid(size) -> None:

@@ -7,7 +7,7 @@ time (a compiled step retraced for a smaller last batch), every replica is
 traced; a replica whose shard is empty computes on one borrowed row and gets
 weight zero, so no device ever sees an empty tensor and nothing it computes
 reaches the result. Gradients are summed, and per-output loss trackers
-record the share-weighted sum of the replicas' losses once per batch.
+record the sum of the replicas' parts of the loss once per batch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 from keras import tree
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from kerasmulti import _replicas
 
@@ -114,16 +115,27 @@ def weights(shards: list[Shard], batch) -> list:
 
 
 def merge(outputs: list, shards: list[Shard]):
-    """Concatenates replica outputs in order, dropping borrowed rows."""
+    """Concatenates replica outputs in order, dropping borrowed rows.
+
+    Keras masks on the outputs (a masked sequence) are merged alike, so a loss
+    computed on the merged output skips the same elements as on one device.
+    """
     if len(outputs) == 1:
         return outputs[0]
-    trimmed = [
-        tree.map_structure(lambda t, s=s: t[: s.size], out)
-        if not isinstance(s.size, int)
-        else out
-        for out, s in zip(outputs, shards)
-    ]
-    return tree.map_structure(lambda *ts: tf.concat(ts, axis=0), *trimmed)
+    flat = [tree.flatten(out) for out in outputs]
+    merged = []
+    for pieces in zip(*flat):
+        masks = [get_keras_mask(t) for t in pieces]
+        tensor = _concat(pieces, shards)
+        if all(m is not None for m in masks):
+            set_keras_mask(tensor, _concat(masks, shards))
+        merged.append(tensor)
+    return tree.pack_sequence_as(outputs[0], merged)
+
+
+def _concat(pieces, shards):
+    trimmed = [t if isinstance(s.size, int) else t[: s.size] for t, s in zip(pieces, shards)]
+    return tf.concat(trimmed, axis=0)
 
 
 def sum_gradients(gradients):
@@ -141,9 +153,10 @@ def deferred_loss_metrics(model):
     """Per-output loss trackers record the batch's loss once, not per replica.
 
     Keras' `CompileLoss` updates one Mean per output each time it is called;
-    called per shard it would average shard losses unweighted. Inside this
-    context the updates are collected per replica and `flush(shares, batch)`
-    applies their share-weighted sum once, as one device would.
+    called per shard it would average the shards' values unweighted. Inside
+    this context the updates are collected per replica (each is the replica's
+    part of the batch's loss, see `_losses`) and `flush(batch)` applies their
+    sum once, as one device would.
     """
     compile_loss = getattr(model, "_compile_loss", None)
     metrics = list(getattr(compile_loss, "metrics", None) or [])
@@ -160,12 +173,12 @@ def deferred_loss_metrics(model):
     for metric in metrics:
         metric.update_state = recorder(metric)
 
-    def flush(shares, batch):
+    def flush(batch):
         for metric in metrics:
             values = recorded[id(metric)]
             if not values:
                 continue
-            combined = tf.add_n([shares[i] * tf.cast(v, tf.float32) for i, v in values.items()])
+            combined = tf.add_n([tf.cast(v, tf.float32) for v in values.values()])
             type(metric).update_state(
                 metric, combined, sample_weight=batch if isinstance(batch, int) else None
             )

@@ -1,0 +1,118 @@
+"""Each replica's part of the batch's loss, for every Keras loss reduction.
+
+Keras divides a loss by a total of the batch it sees: its element count
+(`"sum_over_batch_size"`), the number of unmasked elements (a masked
+sequence), the sum of the sample weights (`"mean_with_sample_weight"`), or
+nothing (`"sum"`). A replica that computes the loss of its sub-batch divides
+by its own total, so weighting replicas by their share of the rows is exact
+only for the first. While a training step traces, `replica_part` makes Keras'
+loss reduction return this replica's *part* of the batch's loss instead: the
+sum of its weighted losses divided by the whole batch's total, which the
+replicas add up (`_replicas.cross_replica_sum`, or a worker's all-reduce).
+The parts sum to the one-device loss, and so do their gradients. A loss
+function that returns a scalar has reduced already: its part is its value
+times the replica's share of the rows, as are the losses layers add.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable
+
+import numpy as np
+from keras import ops
+from keras.src.losses import loss as loss_module
+
+_local = threading.local()
+_original = loss_module.reduce_weighted_values
+_installed = 0
+_install_lock = threading.Lock()
+
+
+class _Part:
+    def __init__(self, share, valid, rows, total: Callable):
+        self.share, self.valid, self.rows, self.total = share, valid, rows, total
+
+
+def _elements(values, rows):
+    """How many loss values there are, without waiting for them if possible.
+
+    Summed over replicas, a count read from `values` would make every
+    replica's backward pass wait for every replica's forward pass; the rows
+    of the sub-batch (known from the input) and a static shape do not.
+    """
+    shape = tuple(values.shape)
+    if None not in shape[1:]:
+        per_row = int(np.prod(shape[1:], dtype=np.int64))
+        rows = shape[0] if shape[0] is not None else rows
+        return ops.cast(rows, values.dtype) * per_row
+    return ops.cast(ops.size(values), values.dtype)
+
+
+def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
+    """Keras' `reduce_weighted_values`, as this replica's part of the batch's."""
+    part = getattr(_local, "part", None)
+    if part is None:
+        return _original(values, sample_weight, mask, reduction, dtype)
+    reduction = loss_module.standardize_reduction(reduction)
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if reduction in (None, "none"):
+        return _original(values, sample_weight, mask, reduction, dtype)
+    if tuple(values.shape) in ((), (0,)):
+        return values * ops.cast(part.share, values.dtype)
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    if mask is not None:
+        mask = ops.cast(mask, values.dtype)
+    # Sample weight times mask, not rescaled (that is what "sum" asks Keras for).
+    weights = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    if weights is not None:
+        values, weights = loss_module.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
+        values = values * weights
+    valid = ops.cast(part.valid, values.dtype)
+    total = ops.sum(values) * valid
+    if reduction == "sum":
+        return total
+    elements = _elements(values, part.rows)
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        count = ops.sum(weights)
+    elif mask is not None:
+        # Keras rescales the mask by all/unmasked: the mean over unmasked elements.
+        count = elements * ops.sum(mask) / ops.cast(ops.size(mask), values.dtype)
+    else:
+        count = elements
+    batch_count = ops.stop_gradient(part.total(count * valid))
+    return ops.divide_no_nan(total, batch_count)
+
+
+def additional_part(loss):
+    """A loss a layer added (regulariser, `add_loss`): the replica's share of it."""
+    part = getattr(_local, "part", None)
+    return loss if part is None else loss * ops.cast(part.share, loss.dtype)
+
+
+@contextlib.contextmanager
+def replica_part(share, valid, rows, total: Callable):
+    """Inside: Keras losses return this replica's part of the batch's loss.
+
+    Args:
+        share: The replica's share of the batch's rows.
+        valid: 1 if its rows count, 0 if it computes on a borrowed row.
+        rows: The rows it computes on (a borrowed one included).
+        total: Sums a scalar over all replicas of the step.
+    """
+    global _installed
+    with _install_lock:
+        if _installed == 0:
+            loss_module.reduce_weighted_values = _part_of_batch
+        _installed += 1
+    _local.part = _Part(share, valid, rows, total)
+    try:
+        yield
+    finally:
+        _local.part = None
+        with _install_lock:
+            _installed -= 1
+            if _installed == 0:
+                loss_module.reduce_weighted_values = _original

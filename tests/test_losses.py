@@ -1,0 +1,125 @@
+"""Losses whose batch total is not a plain mean over rows, split exactly.
+
+Keras divides a loss by a per-batch total: the element count, the number of
+unmasked steps (masked sequence losses), the sum of sample weights
+(`reduction="mean_with_sample_weight"`), or nothing (`reduction="sum"`). A
+replica computing its sub-batch's loss divides by its own total; each must
+instead contribute its part of the whole batch's loss. Fit and evaluate are
+compared with the template on one device, on fresh random data, with uneven
+sub-batches and a remainder batch (10 samples in batches of 4 over 3 devices).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from cases import assert_same_logs, assert_same_weights
+from conftest import DEVICES
+
+SAMPLES, STEPS = 10, 5
+
+
+def _dense(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+
+
+def _tagger(seed, mask_zero=True):
+    """Per-step outputs of a masked sequence: padding must not count."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((STEPS,), dtype="int32")
+    h = keras.layers.Embedding(12, 4, mask_zero=mask_zero)(tokens)
+    h = keras.layers.LSTM(3, return_sequences=True)(h)
+    return keras.Model(tokens, keras.layers.Dense(2)(h))
+
+
+def _two_heads(seed):
+    """A masked per-step head and a summed per-row head, weighted."""
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((STEPS,), dtype="int32")
+    h = keras.layers.Embedding(12, 4, mask_zero=True)(tokens)
+    steps = keras.layers.LSTM(3, return_sequences=True)(h)
+    tags = keras.layers.Dense(2, name="tags")(steps)
+    score = keras.layers.Dense(1, name="score")(keras.layers.GlobalAveragePooling1D()(steps))
+    return keras.Model(tokens, {"tags": tags, "score": score})
+
+
+def _rows(rng):
+    return rng.normal(size=(SAMPLES, 4)).astype("float32"), rng.normal(size=(SAMPLES, 1)).astype("float32")
+
+
+def _padded(rng):
+    tokens = rng.integers(1, 12, size=(SAMPLES, STEPS))
+    lengths = rng.integers(1, STEPS + 1, size=(SAMPLES, 1))
+    x = np.where(np.arange(STEPS) < lengths, tokens, 0).astype("int32")
+    return x, rng.normal(size=(SAMPLES, STEPS, 2)).astype("float32")
+
+
+def _padded_two_heads(rng):
+    x, tags = _padded(rng)
+    return x, {"tags": tags, "score": rng.normal(size=(SAMPLES, 1)).astype("float32")}
+
+
+def _mse(reduction):
+    return lambda: keras.losses.MeanSquaredError(reduction=reduction)
+
+
+def _mean_of_squares(y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))  # already a scalar
+
+
+def _row_weights(rng):
+    return rng.uniform(0.2, 2.0, size=SAMPLES).astype("float32")
+
+
+def _step_weights(rng):
+    # A masked per-step loss takes per-step weights (Keras cannot broadcast
+    # per-row ones against the mask).
+    return rng.uniform(0.2, 2.0, size=(SAMPLES, STEPS)).astype("float32")
+
+
+def _head_weights(rng):
+    return {"tags": _step_weights(rng), "score": _row_weights(rng)}
+
+
+# name, model, data, loss (a factory: each model gets its own), sample weights
+CASES = [
+    ("sum", _dense, _rows, _mse("sum"), None),
+    ("mean_with_sample_weight", _dense, _rows, _mse("mean_with_sample_weight"), _row_weights),
+    ("scalar_function", _dense, _rows, lambda: _mean_of_squares, None),
+    ("masked", _tagger, _padded, lambda: "mse", None),
+    ("masked_sample_weight", _tagger, _padded, lambda: "mse", _step_weights),
+    ("masked_mean_with_sample_weight", _tagger, _padded, _mse("mean_with_sample_weight"), _step_weights),
+    ("masked_and_sum_heads", _two_heads, _padded_two_heads,
+     lambda: {"tags": "mse", "score": keras.losses.MeanSquaredError(reduction="sum")}, _head_weights),
+]
+
+
+@pytest.mark.parametrize("batch_size", [DEVICES - 1, 4])
+@pytest.mark.parametrize("name,build,data,loss,weights", CASES, ids=[c[0] for c in CASES])
+def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, batch_size):
+    reference, template = build(5), build(5)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    rng = np.random.default_rng()
+    x, y = data(rng)
+    sample_weight = weights(rng) if weights else None
+    for model in (reference, parallel):
+        loss_weights = {"tags": 1.0, "score": 0.5} if name == "masked_and_sum_heads" else None
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss(), loss_weights=loss_weights)
+    fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0, sample_weight=sample_weight)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+    evaluate = dict(batch_size=batch_size, verbose=0, return_dict=True, sample_weight=sample_weight)
+    assert_same_logs(reference.evaluate(x, y, **evaluate), parallel.evaluate(x, y, **evaluate))
+
+
+def test_the_padding_matters_here():
+    # Without the mask the tagger's loss differs, so the masked cases can fail.
+    rng = np.random.default_rng()
+    x, y = _padded(rng)
+    assert (x == 0).any()
+    masked, unmasked = _tagger(5), _tagger(5, mask_zero=False)
+    for model in (masked, unmasked):
+        model.compile(loss="mse")
+    assert not np.isclose(masked.evaluate(x, y, verbose=0), unmasked.evaluate(x, y, verbose=0), rtol=1e-3)
