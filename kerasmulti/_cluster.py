@@ -11,16 +11,25 @@ Faults are bounded by the coordination service the strategy starts: a worker
 that stops sending heartbeats (killed, crashed, unreachable) makes the
 others' collectives fail with an error after TensorFlow's heartbeat timeout
 (seconds), instead of waiting forever; `WorkerModel` turns that error into
-one that says what to do.
+one that says what to do. Joining is bounded too: TensorFlow would wait an
+hour for workers that never start (holding the GIL, so no Python timer can
+interrupt it), so the service is configured as the strategy would configure
+it, plus a registration barrier with a deadline (`KERASMULTI_JOIN_TIMEOUT`,
+600 s by default). The strategy's SIGTERM handler, which only logs, is
+replaced by the previous one, so that a launcher can stop its workers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 
 ENV_CONFIG = "TF_CONFIG"
+ENV_JOIN_TIMEOUT = "KERASMULTI_JOIN_TIMEOUT"
+DEFAULT_JOIN_TIMEOUT_S = 600.0
 
 _strategy = None
 _start_error: Exception | None = None
@@ -114,7 +123,9 @@ def start() -> None:
     """Creates this process's `MultiWorkerMirroredStrategy` if `TF_CONFIG` names a cluster.
 
     Called by `import kerasmulti`. A failure is kept and reported by
-    `strategy()`, so that importing never breaks a script.
+    `strategy()`, where the cluster is needed, unless TensorFlow itself
+    failed to join (a worker never started, a port is taken): TensorFlow is
+    then unusable in this process, and the `ClusterError` is raised at once.
     """
     global _strategy, _start_error
     if _strategy is not None or _started_by_command_line():
@@ -122,11 +133,64 @@ def start() -> None:
     try:
         if config() is None:
             return
-        import tensorflow as tf
-
-        _strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        _strategy = _join(join_timeout())
     except Exception as error:  # reported where the cluster is first needed
         _start_error = error
+        if type(error).__module__.startswith("tensorflow"):
+            # The join itself failed: TensorFlow cannot start in this process
+            # any more (its next op fails to start the gRPC server), so say
+            # why now.
+            raise _start_failure(config()) from None
+
+
+def join_timeout() -> float:
+    """Seconds to wait for every worker of `TF_CONFIG` to start."""
+    text = os.environ.get(ENV_JOIN_TIMEOUT)
+    if text is None:
+        return DEFAULT_JOIN_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ClusterError(
+            f"{ENV_JOIN_TIMEOUT} must be a positive number of seconds to wait for "
+            f"every worker of TF_CONFIG to start, e.g. {ENV_JOIN_TIMEOUT}=600. "
+            f"Received: {ENV_JOIN_TIMEOUT}={text!r}"
+        )
+    return seconds
+
+
+def _join(timeout_s: float):
+    import tensorflow as tf
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+    from tensorflow.python.eager import context
+
+    resolver = TFConfigClusterResolver()
+    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+    if context.context().coordination_service is None:
+        # What the strategy configures itself when none is set, plus the deadline:
+        # without the barrier the leader would wait an hour whatever the timeout.
+        context.context().configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(spec),
+            coordinated_jobs=[
+                coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                for job in ("chief", "worker")
+                if job in spec.jobs
+            ],
+            cluster_register_timeout_in_ms=int(timeout_s * 1000),
+        )
+        context.context().coordination_service.cluster_register_with_barrier = True
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def strategy():
@@ -134,16 +198,20 @@ def strategy():
 
     Raises:
         ClusterError: `TF_CONFIG` names a cluster, but the strategy could not
-            be created (TensorFlow ran before `import kerasmulti`, or the
-            other workers never started).
+            be created (TensorFlow ran before `import kerasmulti`, or
+            `TF_CONFIG` was set after it).
     """
     if _strategy is not None:
         return _strategy
     parsed = config()
     if parsed is None:
         return None
+    raise _start_failure(parsed)
+
+
+def _start_failure(parsed: dict) -> ClusterError:
     if isinstance(_start_error, RuntimeError) and "program startup" in str(_start_error):
-        raise ClusterError(
+        return ClusterError(
             "This process is a worker of a TF_CONFIG cluster, but TensorFlow had "
             "already run before `import kerasmulti`, and multi-worker training "
             "must be set up before TensorFlow's first op. Import kerasmulti at "
@@ -151,16 +219,26 @@ def strategy():
             f"tensor. Received: TF_CONFIG task={parsed['task']}"
         )
     if _start_error is None:
-        raise ClusterError(
+        return ClusterError(
             "TF_CONFIG names a cluster, but it was not set when kerasmulti was "
             "imported, and a process can join a cluster only then (before "
             "TensorFlow's first op). Set TF_CONFIG before Python starts, e.g. "
             "with `kerasmulti launch`. Received: TF_CONFIG task="
             f"{parsed['task']}"
         )
-    raise ClusterError(
+    if isinstance(_start_error, ClusterError):
+        return _start_error
+    # TensorFlow's messages run long: their first sentence says what happened.
+    reason = str(_start_error).strip().split(". ")[0].rstrip(".") or type(_start_error).__name__
+    waited = ""
+    if type(_start_error).__name__ in ("DeadlineExceededError", "AbortedError"):
+        waited = (
+            f" Not every worker joined within {join_timeout():g} s; to wait longer, "
+            f"set {ENV_JOIN_TIMEOUT} (seconds)."
+        )
+    return ClusterError(
         "This process is a worker of a TF_CONFIG cluster, but joining the "
-        f"cluster failed: {_start_error}. Check that every worker in "
-        "TF_CONFIG was started and can reach the others. "
-        f"Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
+        f"cluster failed: {reason}.{waited} Check that every worker in "
+        "TF_CONFIG was started (`kerasmulti launch` starts them all) and can "
+        f"reach the others. Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
     )

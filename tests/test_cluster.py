@@ -1,8 +1,10 @@
 """Reading TF_CONFIG and joining a cluster: the errors a user can fix."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ import tensorflow as tf
 
 import kerasmulti
 from kerasmulti import _cluster, _launch, _multiworker
+
+WAIT_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "join_and_wait.py")
 
 
 def test_no_tf_config_or_a_one_task_cluster_is_no_cluster(monkeypatch):
@@ -86,3 +90,58 @@ def test_a_per_worker_dataset_must_have_a_known_length(dataset, which):
     with pytest.raises(ValueError, match=f"assert_cardinality.*Received: cardinality={which}"):
         _multiworker._batches(dataset)
     assert _multiworker._batches(tf.data.Dataset.from_tensor_slices(np.zeros((5, 2))).batch(2)) == 3
+
+
+def _worker(index, hosts, script, **env):
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(hosts, index), **env}
+    environment.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    return subprocess.Popen(
+        [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
+    # TensorFlow alone would wait an hour (the chief) and ignore SIGTERM.
+    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
+    started = time.monotonic()
+    worker = _worker(index, hosts, WAIT_SCRIPT, KERASMULTI_JOIN_TIMEOUT="4")
+    _, stderr = worker.communicate(timeout=120)
+    assert worker.returncode != 0
+    assert time.monotonic() - started < 60
+    assert "ClusterError" in stderr
+    assert "Not every worker joined within 4 s" in stderr and "KERASMULTI_JOIN_TIMEOUT" in stderr
+    assert f'Received: TF_CONFIG=\'{_launch.tf_config(hosts, index)}\'' in stderr
+
+
+@pytest.mark.slow
+def test_workers_that_joined_stop_on_sigterm():
+    # TensorFlow's own SIGTERM handler only logs; a launcher must be able to stop workers.
+    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
+    workers = [_worker(i, hosts, WAIT_SCRIPT) for i in range(2)]
+    try:
+        for worker in workers:
+            assert worker.stdout.readline().strip() == "joined"
+        stopped = time.monotonic()
+        for worker in workers:
+            worker.terminate()
+        assert [worker.wait(timeout=30) for worker in workers] == [-signal.SIGTERM] * 2
+        assert time.monotonic() - stopped < 5
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.communicate()
+
+
+def test_a_bad_join_timeout_is_refused(monkeypatch):
+    monkeypatch.setenv("KERASMULTI_JOIN_TIMEOUT", "ten minutes")
+    with pytest.raises(_cluster.ClusterError, match=r"positive number of seconds.*Received: KERASMULTI_JOIN_TIMEOUT='ten minutes'"):
+        _cluster.join_timeout()
+    monkeypatch.setenv("KERASMULTI_JOIN_TIMEOUT", "-5")
+    with pytest.raises(_cluster.ClusterError, match=r"Received: KERASMULTI_JOIN_TIMEOUT='-5'"):
+        _cluster.join_timeout()
+    monkeypatch.setenv("KERASMULTI_JOIN_TIMEOUT", "90")
+    assert _cluster.join_timeout() == 90.0
+    monkeypatch.delenv("KERASMULTI_JOIN_TIMEOUT")
+    assert _cluster.join_timeout() == _cluster.DEFAULT_JOIN_TIMEOUT_S
