@@ -14,9 +14,12 @@ around what breaks Keras 3 `fit` there:
 - Keras averages a step's logs across workers along axis 0, which fails for
   scalars; the steps return every log with a leading axis of one.
 - Keras scales each replica's loss by 1/replicas, which is exact only when the
-  global batch splits evenly. Each replica's loss is weighted by its share of
-  the global batch instead, so a remainder batch (even one that leaves a
-  replica empty) gives the gradient of one process on the whole batch.
+  global batch splits evenly and the loss is a plain mean over rows. Each
+  replica's loss is its part of the global batch's instead (`_losses`: the
+  batch totals it divides by are all-reduced), so a remainder batch (even one
+  that leaves a replica empty), masked losses, `"sum"` and
+  `"mean_with_sample_weight"` give the loss and gradient of one process on
+  the whole batch; logged losses are weighted to match.
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device.
 - Objects made outside the scope are brought in: an optimizer is re-created
@@ -36,10 +39,9 @@ import secrets
 import keras
 import tensorflow as tf
 from keras.src import tree
-from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from kerasmulti import _cluster, _split
+from kerasmulti import _cluster, _losses, _split
 from kerasmulti._parallel import ParallelModel
 
 
@@ -179,30 +181,58 @@ class WorkerModel(ParallelModel):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        context = tf.distribute.get_replica_context()
-        local = tf.cast(_rows(x), "float32")
-        # Keras scales every replica's loss by 1/replicas; this makes it
-        # local/total instead (see the module docstring).
-        share = tf.math.divide_no_nan(
-            local * context.num_replicas_in_sync, context.all_reduce("sum", local)
-        )
+        share, rows = _share(x)
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
+        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm), self._part(share, rows):
             y_pred = self(x, training=True)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-            scaled = self.optimizer.scale_loss(loss * share)
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=local
-        )
+            scaled = self.optimizer.scale_loss(loss)
+        self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
         if trainable:
             gradients = tape.gradient(scaled, trainable)
             self.optimizer.apply_gradients(zip(gradients, trainable))
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     def test_step(self, data):
-        return _with_leading_axis(keras.Model.test_step(self, data))
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        share, rows = _share(x)
+        with self._part(share, rows):
+            y_pred = self(x, training=False)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+            )
+        self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
+        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    @contextlib.contextmanager
+    def _part(self, share, rows):
+        """Losses are this replica's part of the global batch's (see `_losses`).
+
+        Keras' per-output loss trackers record each value times the replica
+        count, weighted by the batch's rows; recording part / share with this
+        replica's rows instead makes their mean across workers the global
+        batch's value.
+        """
+        context = tf.distribute.get_replica_context()
+        trackers = list(getattr(self._compile_loss, "metrics", None) or [])
+
+        def record(tracker):
+            def update_state(values, sample_weight=None):
+                scale = share * context.num_replicas_in_sync  # Keras multiplied by the count
+                type(tracker).update_state(tracker, tf.math.divide_no_nan(values, scale), sample_weight=rows)
+
+            return update_state
+
+        for tracker in trackers:
+            tracker.update_state = record(tracker)
+        try:
+            with _losses.replica_part(share, 1.0, rows, lambda value: context.all_reduce("sum", value)):
+                yield
+        finally:
+            for tracker in trackers:
+                del tracker.update_state
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras reduces the first distributed batch to build the model, which
@@ -288,6 +318,13 @@ def _lost_workers_explained(what: str):
 
 def _rows(x):
     return tf.shape(tree.flatten(x)[0])[0]
+
+
+def _share(x):
+    """This replica's share of the global batch's rows, and its rows (float32)."""
+    rows = tf.cast(_rows(x), "float32")
+    total = tf.distribute.get_replica_context().all_reduce("sum", rows)
+    return tf.math.divide_no_nan(rows, total), rows
 
 
 def _with_leading_axis(logs):

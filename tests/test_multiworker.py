@@ -45,10 +45,10 @@ def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_bat
     _one_process("multi_worker_fit.py", str(tmp_path), "--reference")
     reference = np.load(tmp_path / "reference.npz")
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
-    for key in reference.files:  # arrays, dataset, per-worker data and classifier phases
+    for key in reference.files:  # arrays, dataset, per-worker data, classifier and losses phases
         np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-5, err_msg=key)
         np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
-    assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local", "classifier"}
+    assert {k.split("/")[0] for k in reference.files} == {"arrays", "dataset", "local", "classifier", "losses"}
     # Shuffled arrays: the workers see complementary halves of the 15 training
     # rows, together each once per epoch, in a new order each epoch; the last
     # 6 rows are for validation.

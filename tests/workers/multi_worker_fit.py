@@ -15,6 +15,9 @@ saves OUT/reference.npz. Phases:
   concatenation of the workers' batches (the shorter worker's end empty).
 - classifier: AUC and accuracy objects made before compile, on rows whose
   halves (one per worker) differ: their results cover both workers.
+- losses: a masked per-step head and a summed per-row head (loss weights,
+  per-step sample weights), whose batch totals are not row counts; fit with a
+  remainder batch, with even batches (per-output losses), evaluate.
 - coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
   metric counts how often each sample was seen, across the cluster and (with
   a plain variable) by each worker.
@@ -113,6 +116,33 @@ shifted = np.concatenate([x[:12], x[12:] + 1.0])
 history = target.fit(shifted, labels, batch_size=24, epochs=2, shuffle=False, verbose=0).history
 evaluation = target.evaluate(shifted, labels, batch_size=24, verbose=0)
 save("classifier", template, auc=history["auc"], accuracy=history["binary_accuracy"], evaluation=evaluation)
+
+# losses: a masked per-step head and a summed per-row head with weights, whose
+# batch totals (unmasked steps, none) are not row counts
+def tagger(seed):
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((5,), dtype="int32", name="tokens")
+    steps = keras.layers.LSTM(3, return_sequences=True)(keras.layers.Embedding(12, 4, mask_zero=True)(tokens))
+    tags = keras.layers.Dense(2, name="tags")(steps)
+    score = keras.layers.Dense(1, name="score")(keras.layers.GlobalAveragePooling1D()(steps))
+    return keras.Model(tokens, {"tags": tags, "score": score})
+
+
+padded = np.where(np.arange(5) < rng.integers(1, 6, size=(22, 1)), rng.integers(1, 12, size=(22, 5)), 0).astype("int32")
+targets = {"tags": rng.normal(size=(22, 5, 2)).astype("float32"), "score": rng.normal(size=(22, 1)).astype("float32")}
+weights = {"tags": rng.uniform(0.2, 2.0, size=(22, 5)).astype("float32"), "score": rng.uniform(0.2, 2.0, size=22).astype("float32")}
+first = lambda rows, tree: {k: v[:rows] for k, v in tree.items()}  # noqa: E731
+template = tagger(0)
+target = template if reference else kerasmulti.parallelize(template)
+target.compile(optimizer=keras.optimizers.SGD(0.1), loss={"tags": "mse", "score": keras.losses.MeanSquaredError(reduction="sum")},
+               loss_weights={"tags": 1.0, "score": 0.5})
+# A remainder batch of 2 rows; then even batches, where Keras' per-output logs
+# weigh batches alike whatever the shapes it traced; then one global batch.
+uneven = target.fit(padded, targets, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+even = target.fit(padded[:16], first(16, targets), sample_weight=first(16, weights), batch_size=8, epochs=1, shuffle=False, verbose=0).history
+evaluation = target.evaluate(padded, targets, sample_weight=weights, batch_size=22, verbose=0, return_dict=True)
+save("losses", template, uneven=uneven["loss"], even=[even[k] for k in ("loss", "tags_loss", "score_loss")],
+     evaluation=[evaluation[k] for k in ("loss", "tags_loss", "score_loss")])
 
 # coverage: the metric counts each sample's id (y) as it is seen
 if not reference:
