@@ -129,3 +129,31 @@ def test_plain_call_inside_tf_function_matches():
     expected = reference(x)
     for e, g in zip(expected, got):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", [CASES[0], next(c for c in CASES if c.name == "batchnorm")], ids=lambda c: c.name)
+def test_several_steps_per_execution_match_template(case):
+    # Keras then traces the step inside a loop; replicas trace on threads there too.
+    reference, template, parallel, x, y = _setup(case)
+    for model in (reference, parallel):
+        model.compile(**case.compile_kwargs(), steps_per_execution=3)
+    fit = dict(batch_size=2, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+
+
+@pytest.mark.parametrize("case", [CASES[0], next(c for c in CASES if c.name == "batchnorm")], ids=lambda c: c.name)
+def test_mixed_precision_matches_template(case):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference, template, parallel, x, y = _setup(case)
+        for model in (reference, parallel):
+            model.compile(**case.compile_kwargs())
+        fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+        expected, got = reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert template.layers[0].compute_dtype == "float16"
+    # float16 sums in another order: equal to float16 precision, not float32's.
+    assert_same_logs(expected, got, atol=2e-3)
+    assert_same_weights(reference, template, atol=2e-3)
