@@ -37,7 +37,7 @@ from kerasmulti._cluster import is_chief  # noqa: E402
 _cluster.start()  # before TensorFlow's first op, which building a model runs
 
 from kerasmulti._parallel import ParallelModel  # noqa: E402
-from kerasmulti._parallel import parallelize  # noqa: E402
+from kerasmulti._parallelize import parallelize  # noqa: E402
 from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402

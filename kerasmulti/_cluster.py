@@ -170,7 +170,8 @@ def _join(timeout_s: float):
 
     resolver = TFConfigClusterResolver()
     spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-    if context.context().coordination_service is None:
+    # As the strategy does: only chief and worker tasks take part (not an evaluator).
+    if context.context().coordination_service is None and resolver.task_type in ("chief", "worker"):
         # What the strategy configures itself when none is set, plus the deadline:
         # without the barrier the leader would wait an hour whatever the timeout.
         context.context().configure_coordination_service(

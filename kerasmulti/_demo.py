@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasmulti import _split
-from kerasmulti._parallel import parallelize
+from kerasmulti._parallelize import parallelize
 
 
 def _digits():

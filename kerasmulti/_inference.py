@@ -29,7 +29,8 @@ from keras import tree
 
 from kerasmulti import _atomic, _sources
 from kerasmulti import _cluster
-from kerasmulti._parallel import ParallelModel, local_parallel, unwrap
+from kerasmulti._parallel import ParallelModel, unwrap
+from kerasmulti._parallelize import local_parallel
 
 PROGRESS = "kerasmulti_rows_done"
 _PREFETCH = 2

@@ -5,23 +5,29 @@ Keras divides a loss by a total of the batch it sees: its element count
 sequence), the sum of the sample weights (`"mean_with_sample_weight"`), or
 nothing (`"sum"`). A replica that computes the loss of its sub-batch divides
 by its own total, so weighting replicas by their share of the rows is exact
-only for the first. While a training step traces, `replica_part` makes Keras'
-loss reduction return this replica's *part* of the batch's loss instead: the
-sum of its weighted losses divided by the whole batch's total, which the
-replicas add up (`_replicas.cross_replica_sum`, or a worker's all-reduce).
-The parts sum to the one-device loss, and so do their gradients. A loss
-function that returns a scalar has reduced already: its part is its value
-times the replica's share of the rows, as are the losses layers add.
+only for the first. While a training or test step computes its loss,
+`replica_part` makes Keras' loss reduction return this replica's *part* of
+the batch's loss instead: the sum of its weighted losses divided by the whole
+batch's total, which the replicas add up (`_replicas.cross_replica_sum`, or a
+worker's all-reduce). The parts sum to the one-device loss, and so do their
+gradients. A loss function that returns a scalar has reduced already: its
+part is its value times the replica's share of the rows (exact without
+sample weights, approximate with them, which is warned about), and so is a
+loss that layers add (regularisers, `add_loss`, a loss object called inside
+a layer). Losses with `reduction=None` stay per row and are merged like
+outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Callable
 
 import numpy as np
 from keras import ops
+from keras.src.backend.common import global_state
 from keras.src.losses import loss as loss_module
 
 _local = threading.local()
@@ -40,7 +46,8 @@ def _elements(values, rows):
 
     Summed over replicas, a count read from `values` would make every
     replica's backward pass wait for every replica's forward pass; the rows
-    of the sub-batch (known from the input) and a static shape do not.
+    of the sub-batch (known from the input) and a static shape do not. This
+    relies on Keras' contract that loss values keep the batch on axis 0.
     """
     shape = tuple(values.shape)
     if None not in shape[1:]:
@@ -51,29 +58,45 @@ def _elements(values, rows):
 
 
 def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_batch_size", dtype=None):
-    """Keras' `reduce_weighted_values`, as this replica's part of the batch's."""
+    """Keras' `reduce_weighted_values`, as this replica's part of the batch's.
+
+    Every reduction meets the other replicas exactly once (`part.total`),
+    whatever its shapes, so no replica waits for one that took another path.
+    """
     part = getattr(_local, "part", None)
-    if part is None:
+    if part is None or _in_layer_call():
+        # A loss object called inside a layer (Keras' "endpoint layer") goes
+        # to add_loss, and added losses are weighted as a whole.
         return _original(values, sample_weight, mask, reduction, dtype)
     reduction = loss_module.standardize_reduction(reduction)
     values = ops.convert_to_tensor(values, dtype=dtype)
     if reduction in (None, "none"):
-        return _original(values, sample_weight, mask, reduction, dtype)
-    if tuple(values.shape) in ((), (0,)):
-        return values * ops.cast(part.share, values.dtype)
+        # One loss per row: a borrowed row's must not reach the gradient.
+        unreduced = _original(values, sample_weight, mask, reduction, dtype)
+        return unreduced * ops.cast(part.valid, unreduced.dtype)
     if sample_weight is not None:
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
     if mask is not None:
         mask = ops.cast(mask, values.dtype)
     # Sample weight times mask, not rescaled (that is what "sum" asks Keras for).
     weights = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
+    valid = ops.cast(part.valid, values.dtype)
+    if len(values.shape) == 0 and weights is not None:
+        warnings.warn(
+            "A loss function returned a scalar, and sample_weight or class_weight "
+            "is set: Keras multiplies the scalar by the mean weight, which "
+            "parallelize() can only approximate from each replica's rows. Return "
+            "one loss per sample (do not average over the batch) to split it exactly.",
+            stacklevel=2,
+        )
+    if weights is None and len(values.shape) == 0:
+        # Reduced already by the loss function: count it by the replica's rows.
+        rows = ops.cast(part.rows, values.dtype) * valid
+        return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows)))
     if weights is not None:
         values, weights = loss_module.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
         values = values * weights
-    valid = ops.cast(part.valid, values.dtype)
     total = ops.sum(values) * valid
-    if reduction == "sum":
-        return total
     elements = _elements(values, part.rows)
     if reduction == "mean_with_sample_weight" and weights is not None:
         count = ops.sum(weights)
@@ -83,13 +106,20 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
     else:
         count = elements
     batch_count = ops.stop_gradient(part.total(count * valid))
-    return ops.divide_no_nan(total, batch_count)
+    return total if reduction == "sum" else ops.divide_no_nan(total, batch_count)
+
+
+def _in_layer_call() -> bool:
+    return global_state.get_global_attribute("current_call_ctx") is not None
 
 
 def additional_part(loss):
     """A loss a layer added (regulariser, `add_loss`): the replica's share of it."""
     part = getattr(_local, "part", None)
-    return loss if part is None else loss * ops.cast(part.share, loss.dtype)
+    if part is None:
+        return loss
+    # Under a tf.distribute strategy Keras has divided it by the replica count.
+    return loss_module.unscale_loss_for_distribution(loss) * ops.cast(part.share, loss.dtype)
 
 
 @contextlib.contextmanager

@@ -183,11 +183,12 @@ class WorkerModel(ParallelModel):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         share, rows = _share(x)
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm), self._part(share, rows):
+        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
             y_pred = self(x, training=True)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
+            with self._part(share, rows):
+                loss = self._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
             scaled = self.optimizer.scale_loss(loss)
         self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
         if trainable:
@@ -198,8 +199,8 @@ class WorkerModel(ParallelModel):
     def test_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         share, rows = _share(x)
+        y_pred = self(x, training=False)
         with self._part(share, rows):
-            y_pred = self(x, training=False)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
             )

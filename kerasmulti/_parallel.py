@@ -1,6 +1,6 @@
-"""`parallelize`: data parallelism for an existing Keras 3 model.
+"""`ParallelModel`: data parallelism for an existing Keras 3 model.
 
-Split, replicate, merge: every batch is split along axis 0 into one shard per
+Built by `parallelize` (`_parallelize.py`). Split, replicate, merge: every batch is split along axis 0 into one shard per
 device; the template model runs on each shard under that device's scope (at
 call time, where Keras 3 honours it); the outputs are concatenated in order on
 the CPU. The wrapper owns no weights: it tracks the template, so training the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Sequence
 
 import keras
 import tensorflow as tf
@@ -27,7 +26,7 @@ from keras.src import backend
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kerasmulti import _cluster, _devices, _losses, _replicas, _split
+from kerasmulti import _losses, _replicas, _split
 
 
 class ParallelModel(keras.Model):
@@ -75,6 +74,20 @@ class ParallelModel(keras.Model):
                 "Received: jit_compile=True"
             )
         super().compile(*args, jit_compile=jit_compile, **kwargs)
+        overridden = [
+            name for name in ("train_step", "test_step", "compute_loss")
+            if getattr(type(self._template), name) is not getattr(keras.Model, name)
+        ]
+        if overridden:
+            warnings.warn(
+                f"The template model '{self._template.name}' overrides "
+                f"{', '.join(overridden)}, which the parallel model does not run: it "
+                "runs its own step on every replica, with the loss and metrics given "
+                "to compile() and the losses layers add. Put a custom loss in "
+                "compile(loss=...) or add_loss(), or train on one device. "
+                f"Received: overrides={overridden}",
+                stacklevel=2,
+            )
         # The template is compiled alike, sharing the optimizer: files saved
         # from either hold the training state, and a backup's layout is the
         # same in every process (it does not depend on whether a save ran).
@@ -114,11 +127,41 @@ class ParallelModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        step = self._replica_step(x, y, sample_weight, training=True)
+        if step is None:
+            return super().train_step(data)
+        batch, y_pred, loss, gradients = step
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+        )
+        if gradients:
+            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def test_step(self, data):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        step = self._replica_step(x, y, sample_weight, training=False)
+        if step is None:
+            return super().test_step(data)
+        batch, y_pred, loss, _ = step
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+        )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _replica_step(self, x, y, sample_weight, training):
+        """Every replica's forward pass, its part of the loss and (training) its gradients.
+
+        Returns (batch, merged predictions, the batch's loss, summed
+        gradients), or None when the batch runs on one replica.
+        """
         batch = _split.batch_size(x)
         shards = _split.plan(batch, len(self._replica_devices))
         if len(shards) == 1:
-            return super().train_step(data)
-        trainable = self.trainable_weights
+            return None
+        trainable = self.trainable_weights if training else []
         shares = _split.weights(shards, batch)
         self._build_compile_loss(x, y, sample_weight)
 
@@ -130,12 +173,13 @@ class ParallelModel(keras.Model):
             part = _losses.replica_part(
                 shares[i], _replicas.valid(), shards[i].take, _replicas.cross_replica_sum
             )
-            with tf.GradientTape() as tape, part:
-                y_pred = self._template(x_i, training=True)
-                loss = self._compute_loss(
-                    x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=True
-                )
-                scaled = self.optimizer.scale_loss(loss) if self.optimizer else loss
+            with tf.GradientTape() as tape:
+                y_pred = self._template(x_i, training=training)
+                with part:
+                    loss = self._compute_loss(
+                        x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=training
+                    )
+                scaled = self.optimizer.scale_loss(loss) if training and self.optimizer else loss
             gradients = tape.gradient(scaled, trainable) if trainable else []
             return y_pred, loss, gradients
 
@@ -148,18 +192,13 @@ class ParallelModel(keras.Model):
             with tf.device(self._merge_device):
                 flush(batch)
                 y_pred = _split.merge([r[0] for r in results], shards)
-                loss = tf.add_n([r[1] for r in results])
+                losses = [r[1] for r in results]
+                # reduction="none" leaves a loss per row: those are merged like outputs.
+                loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
                 gradients = [
                     _split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))
                 ]
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
-        )
-        if trainable:
-            self.optimizer.apply_gradients(zip(gradients, trainable))
-        else:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return batch, y_pred, loss, gradients
 
     def _build_compile_loss(self, x, y, sample_weight):
         """Builds Keras' loss (and its per-output trackers) before the replicas run.
@@ -229,138 +268,6 @@ class ParallelModel(keras.Model):
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
-
-
-def _refuse_unsplittable(model) -> None:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if getattr(layer, "stateful", False):
-            raise ValueError(
-                f"parallelize() cannot split the stateful layer '{layer.name}' "
-                f"({type(layer).__name__}): its state carries over from one "
-                "batch to the next row by row, so it cannot be shared between "
-                "replicas that see different rows. Rebuild the model with "
-                f"stateful=False, or run it on one device. Received: "
-                f"layer={layer.name!r} with stateful=True"
-            )
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
-            raise ValueError(
-                f"parallelize() does not support batch renormalisation in layer "
-                f"'{layer.name}': its correction terms are not synchronised "
-                "across replicas. Use BatchNormalization(renorm=False), or run "
-                f"on one device. Received: layer={layer.name!r} with renorm=True"
-            )
-
-
-def _relocate_to_cpu(model) -> None:
-    with tf.device("/cpu:0"):
-        for variable in model.variables:
-            variable._initialize(variable.value.read_value())
-
-
-def parallelize(
-    model: keras.Model,
-    gpus: int | Sequence[int] | None = None,
-    devices: Sequence[str] | None = None,
-    cpu_merge: bool = True,
-    cpu_relocation: bool = False,
-) -> ParallelModel:
-    """Replicates a Keras model on several devices for data-parallel training.
-
-    Each batch is split along axis 0 into one shard per device (sizes differ by
-    at most one; a batch smaller than the device count uses fewer replicas).
-    The model runs on every shard on its own device, and the outputs are
-    concatenated in order on the CPU. The returned model shares every weight
-    with `model`: compile and fit it, and `model` is trained; `save()` on it
-    saves `model`. Results equal those of `model` on one device, including
-    `sample_weight`, `class_weight`, stateful metrics and BatchNormalization
-    statistics (synchronised across replicas). With one device it is a
-    pass-through, so code written for N GPUs runs on a laptop.
-
-    In a process started as a worker of a cluster (`TF_CONFIG`, e.g. by
-    `kerasmulti launch`), the model is adopted into
-    `MultiWorkerMirroredStrategy` instead and trains across all workers, with
-    the numbers of one process on the same global batches; `gpus` and
-    `devices` are then checked but the strategy uses every GPU the worker
-    sees (or its CPU). See the README's "Multi-worker training".
-
-    Args:
-        model: A built `keras.Model` (Sequential, functional, subclassed or
-            loaded from a file).
-        gpus: How many devices to use (the first `gpus` of
-            `kerasmulti.available_devices()`), a list of device ids, or None
-            for all of them.
-        devices: Explicit TensorFlow device names instead of `gpus`, e.g.
-            `["/gpu:0", "/gpu:2"]`.
-        cpu_merge: Merge the replicas' outputs (and sum their gradients) on
-            `/cpu:0`. With False, merging happens on the first device.
-        cpu_relocation: Move the model's variables to host memory (`/cpu:0`),
-            as Keras 2's `multi_gpu_model` did, e.g. when they do not fit on
-            one device.
-
-    Returns:
-        A `ParallelModel`, a `keras.Model` with the template's inputs, outputs
-        and output names.
-
-    Raises:
-        TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model is not built, holds a stateful RNN, or the
-            devices requested do not exist (a `DeviceError`, listing the
-            available devices).
-        RuntimeError: In a cluster, if joining it failed (a `ClusterError`
-            saying why, e.g. TensorFlow ran before `import kerasmulti`).
-
-    Example:
-
-    ```python
-    import kerasmulti
-    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
-    import keras, numpy as np
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-    parallel = kerasmulti.parallelize(model, gpus=2)
-    parallel.compile(optimizer="adam", loss="mse")
-    parallel.fit(np.ones((64, 8)), np.ones((64, 3)), batch_size=16, verbose=0)
-    parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
-    ```
-    """
-    strategy = _cluster.strategy()
-    if strategy is not None:
-        _check_model(model)
-        _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
-        from kerasmulti import _multiworker
-
-        return _multiworker.adopt(unwrap(model), strategy)
-    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation)
-
-
-def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False) -> ParallelModel:
-    """`parallelize` on this process's devices, also inside a cluster."""
-    if isinstance(model, ParallelModel):
-        model = model._template
-    _check_model(model)
-    replica_devices = _devices.resolve_devices(gpus, devices)
-    if cpu_relocation:
-        _relocate_to_cpu(model)
-    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    return ParallelModel(model, replica_devices, merge_device)
-
-
-def _check_model(model) -> None:
-    if isinstance(model, ParallelModel):
-        model = model._template
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "parallelize() expects a keras.Model to replicate (Sequential, "
-            "functional or subclassed); wrap a single layer in "
-            f"keras.Sequential first. Received: model={type(model).__name__}"
-        )
-    if not model.built:
-        raise ValueError(
-            f"parallelize() needs a built model, but '{model.name}' has no "
-            "weights yet, so there is nothing to share between replicas. Call "
-            "model.build(input_shape) or call the model on one batch first. "
-            f"Received: model={model.name!r} with built=False"
-        )
-    _refuse_unsplittable(model)
 
 
 def unwrap(model: keras.Model) -> keras.Model:

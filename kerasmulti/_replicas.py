@@ -58,12 +58,25 @@ class _Rendezvous:
         self._barrier = threading.Barrier(n, timeout=RENDEZVOUS_TIMEOUT_S)
         self.turn = threading.Lock()
 
-    def all_gather(self, value):
-        self._slots[replica_id()] = value
+    def all_gather(self, value, where: str):
+        """Every replica's `value`; all must call it at the same point, `where`."""
+        self._slots[replica_id()] = (where, value)
         self._wait()
         gathered = list(self._slots)
         self._wait()  # nobody overwrites a slot before all have read
-        return gathered
+        places = [place for place, _ in gathered]
+        if len(set(places)) > 1:
+            raise RuntimeError(
+                "parallelize() traces one step per replica, and the replicas must "
+                "meet at the same points (BatchNormalization statistics, the "
+                "batch's loss totals), but they did not: "
+                + ", ".join(f"replica {i} reached {p}" for i, p in enumerate(places))
+                + ". This happens when a model or loss takes another path for a "
+                "smaller sub-batch (e.g. a squeeze that also drops the batch axis "
+                "of a 1-row sub-batch). Make the computation the same for every "
+                f"batch size, or train on one device. Received: meeting points={places}"
+            )
+        return [value for _, value in gathered]
 
     def _wait(self):
         self.turn.release()
@@ -80,7 +93,11 @@ def _run_one(i: int, device: str, fn: Callable, sync):
     _local.replica, _local.sync = i, sync
     try:
         with tf.device(device), tf.name_scope(f"replica_{i}"):
-            return fn(i)
+            result = fn(i)
+        if sync is not None:
+            # A replica that skipped a meeting point is caught here, not after a timeout.
+            sync.all_gather(None, "the end of its step")
+        return result
     finally:
         _local.replica, _local.sync = 0, None
 
@@ -91,7 +108,8 @@ def run(
     """Calls `fn(i)` under `tf.device(devices[i])` for every replica i.
 
     With `synchronized=True` the replicas are traced on parallel threads that
-    can meet in `_Rendezvous.all_gather` (used by BatchNormalization). The
+    can meet in `_Rendezvous.all_gather` (BatchNormalization statistics, the
+    batch's loss totals), and must meet at the same points. The
     `variables` they read are captured into the graph beforehand: a function
     graph's capture bookkeeping is not thread-safe, and two threads capturing
     one variable at once leave an unfed placeholder behind.
@@ -125,7 +143,16 @@ def run(
     failures = [e for e in errors if e is not None]
     if failures:
         # A BrokenBarrierError only says that another replica failed first.
-        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
+        cause = next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), None)
+        if cause is not None:
+            raise cause
+        raise RuntimeError(
+            "parallelize() traces one step per replica, and a replica did not reach "
+            f"the point where the others waited for it within {RENDEZVOUS_TIMEOUT_S} s. "
+            "Tracing a very large model on a busy machine can take that long; "
+            "otherwise please report it with the model. "
+            f"Received: timeout={RENDEZVOUS_TIMEOUT_S} s"
+        )
     return results
 
 
@@ -194,9 +221,9 @@ def _all_reduce_sum(rendezvous, value):
     @tf.custom_gradient
     def reduce(local):
         def grad(upstream):
-            return tf.add_n(rendezvous.all_gather(upstream))
+            return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
 
-        return tf.add_n(rendezvous.all_gather(local)), grad
+        return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
 
     return reduce(value)
 
@@ -268,7 +295,7 @@ def cross_replica_sum(value):
     rendezvous = getattr(_local, "sync", None)
     if rendezvous is None:
         return value
-    return tf.add_n(rendezvous.all_gather(tf.stop_gradient(value)))
+    return tf.add_n(rendezvous.all_gather(tf.stop_gradient(value), "a loss total"))
 
 
 def valid():

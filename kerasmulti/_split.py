@@ -99,13 +99,20 @@ def plan(batch, replicas: int) -> list[Shard]:
 
 
 def take(structure, shard: Shard):
-    """The rows of `shard` from every tensor in `structure`."""
+    """The rows of `shard` from every tensor in `structure`, Keras masks included."""
     if structure is None:
         return None
-    return tree.map_structure(
-        lambda t: None if t is None else t[shard.begin : shard.begin + shard.take],
-        structure,
-    )
+
+    def rows(t):
+        if t is None:
+            return None
+        piece = t[shard.begin : shard.begin + shard.take]
+        mask = get_keras_mask(t)
+        if mask is not None:
+            set_keras_mask(piece, mask[shard.begin : shard.begin + shard.take])
+        return piece
+
+    return tree.map_structure(rows, structure)
 
 
 def weights(shards: list[Shard], batch) -> list:

@@ -1,5 +1,7 @@
 """BatchNormalization: whole-batch statistics, moving averages updated once per step."""
 
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -113,3 +115,41 @@ def test_dropout_masks_differ_between_replicas_traced_on_threads():
             kept = np.asarray(output) != 0  # one row per replica
             assert 0 < kept.mean() < 1
             assert len({row.tobytes() for row in kept}) == DEVICES
+
+
+class _OnlyForSeveralRows(keras.layers.Layer):
+    """Normalises only sub-batches of more than one row: replicas take two paths."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x, training=None):
+        return x if x.shape[0] == 1 else self.norm(x, training=training)
+
+
+def test_replicas_that_take_different_paths_raise_at_once():
+    template = keras.Sequential([keras.Input((3,)), _OnlyForSeveralRows(), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    x = np.ones((4, 3), "float32")  # shards of 2, 1 and 1 rows
+    with pytest.raises(RuntimeError, match=r"replica 0 reached BatchNormalization statistics, replica 1 reached the end of its step.*Received: meeting points="):
+        parallel(x, training=True)
+
+
+def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
+    from kerasmulti import _replicas
+
+    monkeypatch.setattr(_replicas, "RENDEZVOUS_TIMEOUT_S", 0.3)
+
+    def replica(i):
+        if i == 1:  # away, without holding up the others' turns
+            turn = _replicas._local.sync.turn
+            turn.release()
+            try:
+                time.sleep(1.0)
+            finally:
+                turn.acquire()
+        return i
+
+    with pytest.raises(RuntimeError, match=r"did not reach the point where the others waited for it within 0.3 s.*Received: timeout=0.3 s"):
+        _replicas.run(["/cpu:0", "/cpu:1"], replica, synchronized=True)

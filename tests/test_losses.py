@@ -83,8 +83,59 @@ def _head_weights(rng):
     return {"tags": _step_weights(rng), "score": _row_weights(rng)}
 
 
+class Endpoint(keras.layers.Layer):
+    """Keras' "endpoint layer": a loss object called in call(), added with add_loss."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    def call(self, targets, predictions):
+        self.add_loss(self.loss_fn(targets, predictions))
+        return predictions
+
+
+class Regularised(keras.Model):
+    """Weight and activity regularisers and an add_loss mean, subclassed."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(
+            3, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.1),
+            activity_regularizer=keras.regularizers.L1(0.05),
+        )
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        h = self.hidden(x)
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(h)))
+        return self.out(h)
+
+
+def _endpoint(seed):
+    keras.utils.set_random_seed(seed)
+    x, targets = keras.Input((4,)), keras.Input((1,))
+    predictions = keras.layers.Dense(1)(keras.layers.Dense(3, activation="tanh")(x))
+    return keras.Model([x, targets], Endpoint()(targets, predictions))
+
+
+def _regularised(seed):
+    keras.utils.set_random_seed(seed)
+    model = Regularised()
+    model(np.zeros((1, 4), "float32"))
+    return model
+
+
+def _endpoint_rows(rng):
+    x, y = _rows(rng)
+    return [x, y], y
+
+
 # name, model, data, loss (a factory: each model gets its own), sample weights
 CASES = [
+    ("none", _dense, _rows, _mse(None), None),
+    ("endpoint_layer", _endpoint, _endpoint_rows, lambda: None, None),
+    ("added_losses", _regularised, _rows, lambda: "mse", None),
     ("sum", _dense, _rows, _mse("sum"), None),
     ("mean_with_sample_weight", _dense, _rows, _mse("mean_with_sample_weight"), _row_weights),
     ("scalar_function", _dense, _rows, lambda: _mean_of_squares, None),
@@ -114,6 +165,28 @@ def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, bat
     assert_same_logs(reference.evaluate(x, y, **evaluate), parallel.evaluate(x, y, **evaluate))
 
 
+def test_a_scalar_loss_with_sample_weights_is_warned_about():
+    # Keras multiplies an already averaged loss by the mean weight: each
+    # replica's mean weight is all a replica has.
+    parallel = kerasmulti.parallelize(_dense(5), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss=_mean_of_squares)
+    x, y = _rows(np.random.default_rng())
+    with pytest.warns(UserWarning, match="returned a scalar, and sample_weight or class_weight is set.*one loss per sample"):
+        parallel.fit(x, y, sample_weight=np.linspace(0.5, 2.0, SAMPLES), batch_size=4, verbose=0)
+
+
+def test_incoming_masks_reach_every_replica():
+    # A parallel model called on a masked tensor, as a layer would be.
+    keras.utils.set_random_seed(5)
+    template = keras.Sequential([keras.Input((STEPS, 2)), keras.layers.LSTM(3)])
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    x = np.random.default_rng().normal(size=(SAMPLES, STEPS, 2)).astype("float32")
+    x[:, 3:] = 0.0
+    masked = keras.layers.Masking()(x)
+    np.testing.assert_allclose(np.asarray(parallel(masked)), np.asarray(template(masked)), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(template(masked)), np.asarray(template(x)), atol=1e-3)
+
+
 def test_the_padding_matters_here():
     # Without the mask the tagger's loss differs, so the masked cases can fail.
     rng = np.random.default_rng()
@@ -123,3 +196,15 @@ def test_the_padding_matters_here():
     for model in (masked, unmasked):
         model.compile(loss="mse")
     assert not np.isclose(masked.evaluate(x, y, verbose=0), unmasked.evaluate(x, y, verbose=0), rtol=1e-3)
+
+
+def test_a_template_with_its_own_loss_step_is_warned_about():
+    class OwnLoss(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.abs(y - y_pred))
+
+    inputs = keras.Input((4,))
+    template = OwnLoss(inputs, keras.layers.Dense(1)(inputs))
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    with pytest.warns(UserWarning, match=r"overrides compute_loss, which the parallel model does not run.*Received: overrides=\['compute_loss'\]"):
+        parallel.compile(optimizer="sgd", loss="mse")

@@ -16,8 +16,9 @@ saves OUT/reference.npz. Phases:
 - classifier: AUC and accuracy objects made before compile, on rows whose
   halves (one per worker) differ: their results cover both workers.
 - losses: a masked per-step head and a summed per-row head (loss weights,
-  per-step sample weights), whose batch totals are not row counts; fit with a
-  remainder batch, with even batches (per-output losses), evaluate.
+  per-step sample weights, a weight and an activity regulariser), whose batch
+  totals are not row counts; fit with a remainder batch, with even batches
+  (per-output losses), evaluate.
 - coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
   metric counts how often each sample was seen, across the cluster and (with
   a plain variable) by each worker.
@@ -117,14 +118,15 @@ history = target.fit(shifted, labels, batch_size=24, epochs=2, shuffle=False, ve
 evaluation = target.evaluate(shifted, labels, batch_size=24, verbose=0)
 save("classifier", template, auc=history["auc"], accuracy=history["binary_accuracy"], evaluation=evaluation)
 
-# losses: a masked per-step head and a summed per-row head with weights, whose
-# batch totals (unmasked steps, none) are not row counts
+# losses: a masked per-step head and a summed per-row head with weights and
+# regularisers, whose batch totals (unmasked steps, none) are not row counts
 def tagger(seed):
     keras.utils.set_random_seed(seed)
     tokens = keras.Input((5,), dtype="int32", name="tokens")
     steps = keras.layers.LSTM(3, return_sequences=True)(keras.layers.Embedding(12, 4, mask_zero=True)(tokens))
-    tags = keras.layers.Dense(2, name="tags")(steps)
-    score = keras.layers.Dense(1, name="score")(keras.layers.GlobalAveragePooling1D()(steps))
+    tags = keras.layers.Dense(2, name="tags", kernel_regularizer=keras.regularizers.L2(0.05))(steps)
+    pooled = keras.layers.GlobalAveragePooling1D()(steps)
+    score = keras.layers.Dense(1, name="score", activity_regularizer=keras.regularizers.L1(0.05))(pooled)
     return keras.Model(tokens, {"tags": tags, "score": score})
 
 

@@ -1,0 +1,155 @@
+"""`parallelize`: checks the template, picks the devices, wraps the model.
+
+In one process it returns a `ParallelModel` over this machine's devices
+(`_parallel.py`); in a process that joined a cluster (`_cluster.py`) it adopts
+the template into the cluster's strategy and returns a `WorkerModel`
+(`_multiworker.py`). Models that cannot be split (stateful RNNs, batch
+renormalisation) are refused here, before anything is traced.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+from kerasmulti import _cluster, _devices
+from kerasmulti._parallel import ParallelModel, unwrap
+
+
+def _refuse_unsplittable(model) -> None:
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if getattr(layer, "stateful", False):
+            raise ValueError(
+                f"parallelize() cannot split the stateful layer '{layer.name}' "
+                f"({type(layer).__name__}): its state carries over from one "
+                "batch to the next row by row, so it cannot be shared between "
+                "replicas that see different rows. Rebuild the model with "
+                f"stateful=False, or run it on one device. Received: "
+                f"layer={layer.name!r} with stateful=True"
+            )
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
+            raise ValueError(
+                f"parallelize() does not support batch renormalisation in layer "
+                f"'{layer.name}': its correction terms are not synchronised "
+                "across replicas. Use BatchNormalization(renorm=False), or run "
+                f"on one device. Received: layer={layer.name!r} with renorm=True"
+            )
+
+
+def _relocate_to_cpu(model) -> None:
+    with tf.device("/cpu:0"):
+        for variable in model.variables:
+            variable._initialize(variable.value.read_value())
+
+
+def parallelize(
+    model: keras.Model,
+    gpus: int | Sequence[int] | None = None,
+    devices: Sequence[str] | None = None,
+    cpu_merge: bool = True,
+    cpu_relocation: bool = False,
+) -> ParallelModel:
+    """Replicates a Keras model on several devices for data-parallel training.
+
+    Each batch is split along axis 0 into one shard per device (sizes differ by
+    at most one; a batch smaller than the device count uses fewer replicas).
+    The model runs on every shard on its own device, and the outputs are
+    concatenated in order on the CPU. The returned model shares every weight
+    with `model`: compile and fit it, and `model` is trained; `save()` on it
+    saves `model`. Results equal those of `model` on one device, including
+    `sample_weight`, `class_weight`, stateful metrics, BatchNormalization
+    statistics (synchronised across replicas), every Keras loss reduction,
+    masked losses and the losses layers add. (A loss function that returns
+    an already averaged scalar is exact without sample weights and
+    approximate with them, with a warning.) The model's own `train_step` or
+    `compute_loss`, if it overrides them, is not run (a warning says so).
+    With one device it is a pass-through, so code written for N GPUs runs on
+    a laptop.
+
+    In a process started as a worker of a cluster (`TF_CONFIG`, e.g. by
+    `kerasmulti launch`), the model is adopted into
+    `MultiWorkerMirroredStrategy` instead and trains across all workers, with
+    the numbers of one process on the same global batches; `gpus` and
+    `devices` are then checked but the strategy uses every GPU the worker
+    sees (or its CPU). See the README's "Multi-worker training".
+
+    Args:
+        model: A built `keras.Model` (Sequential, functional, subclassed or
+            loaded from a file).
+        gpus: How many devices to use (the first `gpus` of
+            `kerasmulti.available_devices()`), a list of device ids, or None
+            for all of them.
+        devices: Explicit TensorFlow device names instead of `gpus`, e.g.
+            `["/gpu:0", "/gpu:2"]`.
+        cpu_merge: Merge the replicas' outputs (and sum their gradients) on
+            `/cpu:0`. With False, merging happens on the first device.
+        cpu_relocation: Move the model's variables to host memory (`/cpu:0`),
+            as Keras 2's `multi_gpu_model` did, e.g. when they do not fit on
+            one device.
+
+    Returns:
+        A `ParallelModel`, a `keras.Model` with the template's inputs, outputs
+        and output names.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`.
+        ValueError: If the model is not built, holds a stateful RNN, or the
+            devices requested do not exist (a `DeviceError`, listing the
+            available devices).
+        RuntimeError: In a cluster, if joining it failed (a `ClusterError`
+            saying why, e.g. TensorFlow ran before `import kerasmulti`).
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras, numpy as np
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="adam", loss="mse")
+    parallel.fit(np.ones((64, 8)), np.ones((64, 3)), batch_size=16, verbose=0)
+    parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
+    ```
+    """
+    strategy = _cluster.strategy()
+    if strategy is not None:
+        _check_model(model)
+        _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        from kerasmulti import _multiworker
+
+        return _multiworker.adopt(unwrap(model), strategy)
+    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation)
+
+
+def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False) -> ParallelModel:
+    """`parallelize` on this process's devices, also inside a cluster."""
+    if isinstance(model, ParallelModel):
+        model = model._template
+    _check_model(model)
+    replica_devices = _devices.resolve_devices(gpus, devices)
+    if cpu_relocation:
+        _relocate_to_cpu(model)
+    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
+    return ParallelModel(model, replica_devices, merge_device)
+
+
+def _check_model(model) -> None:
+    if isinstance(model, ParallelModel):
+        model = model._template
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "parallelize() expects a keras.Model to replicate (Sequential, "
+            "functional or subclassed); wrap a single layer in "
+            f"keras.Sequential first. Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            f"parallelize() needs a built model, but '{model.name}' has no "
+            "weights yet, so there is nothing to share between replicas. Call "
+            "model.build(input_shape) or call the model on one batch first. "
+            f"Received: model={model.name!r} with built=False"
+        )
+    _refuse_unsplittable(model)
