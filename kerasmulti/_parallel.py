@@ -130,10 +130,7 @@ class ParallelModel(keras.Model):
         step = self._replica_step(x, y, sample_weight, training=True)
         if step is None:
             return super().train_step(data)
-        batch, y_pred, loss, gradients = step
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
-        )
+        y_pred, gradients = step
         if gradients:
             self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
         else:
@@ -145,17 +142,14 @@ class ParallelModel(keras.Model):
         step = self._replica_step(x, y, sample_weight, training=False)
         if step is None:
             return super().test_step(data)
-        batch, y_pred, loss, _ = step
-        self._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
-        )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self.compute_metrics(x, y, step[0], sample_weight=sample_weight)
 
     def _replica_step(self, x, y, sample_weight, training):
         """Every replica's forward pass, its part of the loss and (training) its gradients.
 
-        Returns (batch, merged predictions, the batch's loss, summed
-        gradients), or None when the batch runs on one replica.
+        Records the batch's loss as Keras' steps do, and returns the merged
+        predictions and the summed gradients, or None when the batch runs on
+        one replica.
         """
         batch = _split.batch_size(x)
         shards = _split.plan(batch, len(self._replica_devices))
@@ -198,7 +192,10 @@ class ParallelModel(keras.Model):
                 gradients = [
                     _split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))
                 ]
-        return batch, y_pred, loss, gradients
+        self._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+        )
+        return y_pred, gradients
 
     def _build_compile_loss(self, x, y, sample_weight):
         """Builds Keras' loss (and its per-output trackers) before the replicas run.
