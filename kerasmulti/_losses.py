@@ -81,7 +81,11 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
     # Sample weight times mask, not rescaled (that is what "sum" asks Keras for).
     weights = loss_module.apply_mask(sample_weight, mask, dtype=values.dtype, reduction="sum")
     valid = ops.cast(part.valid, values.dtype)
-    if len(values.shape) == 0 and weights is not None:
+    if len(values.shape) == 0:  # reduced already by the loss function
+        if weights is None:
+            # Count it by the replica's rows.
+            rows = ops.cast(part.rows, values.dtype) * valid
+            return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows)))
         warnings.warn(
             "A loss function returned a scalar, and sample_weight or class_weight "
             "is set: Keras multiplies the scalar by the mean weight, which "
@@ -89,10 +93,6 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
             "one loss per sample (do not average over the batch) to split it exactly.",
             stacklevel=2,
         )
-    if weights is None and len(values.shape) == 0:
-        # Reduced already by the loss function: count it by the replica's rows.
-        rows = ops.cast(part.rows, values.dtype) * valid
-        return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows)))
     if weights is not None:
         values, weights = loss_module.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
         values = values * weights

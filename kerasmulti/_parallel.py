@@ -1,10 +1,11 @@
 """`ParallelModel`: data parallelism for an existing Keras 3 model.
 
-Built by `parallelize` (`_parallelize.py`). Split, replicate, merge: every batch is split along axis 0 into one shard per
-device; the template model runs on each shard under that device's scope (at
-call time, where Keras 3 honours it); the outputs are concatenated in order on
-the CPU. The wrapper owns no weights: it tracks the template, so training the
-wrapper trains the template, and saving either saves the template.
+Built by `parallelize` (`_parallelize.py`). Split, replicate, merge: every
+batch is split along axis 0 into one shard per device; the template model
+runs on each shard under that device's scope (at call time, where Keras 3
+honours it); the outputs are concatenated in order on the CPU. The wrapper
+owns no weights: it tracks the template, so training the wrapper trains the
+template, and saving either saves the template.
 
 Training does not back-propagate through the merged output (slow, see
 FINDINGS.md): each replica computes its loss and gradients on its shard, and

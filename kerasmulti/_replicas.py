@@ -2,8 +2,8 @@
 
 Replicas are traced under their own `tf.device` scopes; TensorFlow's executor
 then runs the independent replica graphs concurrently. Forward passes (predict)
-are traced one after another on the calling thread. Training steps need values
-of the whole batch while a replica is being traced: the batch's totals that
+are traced one after another on the calling thread. Training and evaluation
+steps need values of the whole batch while a replica is being traced: the batch's totals that
 its loss divides by (`_losses`), and the statistics of every
 BatchNormalization layer, which must normalise with the *whole* batch, as one
 device would. Such steps trace each replica on its own thread (as
