@@ -181,16 +181,11 @@ class WorkerModel(ParallelModel):
 
     def train_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        share, rows = _share(x)
         trainable = self.trainable_weights
         with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
             y_pred = self(x, training=True)
-            with self._part(share, rows):
-                loss = self._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-                )
+            loss = self._replica_loss(x, y, y_pred, sample_weight, training=True)
             scaled = self.optimizer.scale_loss(loss)
-        self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
         if trainable:
             gradients = tape.gradient(scaled, trainable)
             self.optimizer.apply_gradients(zip(gradients, trainable))
@@ -198,14 +193,21 @@ class WorkerModel(ParallelModel):
 
     def test_step(self, data):
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        share, rows = _share(x)
         y_pred = self(x, training=False)
+        self._replica_loss(x, y, y_pred, sample_weight, training=False)
+        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    def _replica_loss(self, x, y, y_pred, sample_weight, training):
+        """This replica's part of the global batch's loss, recorded as Keras' steps do."""
+        share, rows = _share(x)
         with self._part(share, rows):
             loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
             )
+        # part / share, weighted by this replica's rows: the mean across
+        # workers is the global batch's loss.
         self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
-        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        return loss
 
     @contextlib.contextmanager
     def _part(self, share, rows):
