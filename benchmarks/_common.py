@@ -6,8 +6,9 @@ Imported by `bench_data_parallel.py`, `bench_inference.py` and
 too). It holds:
 
 - the TensorFlow environment defaults, set on import, before TensorFlow loads;
-- `configure_devices`: the N replica devices (GPUs, or logical CPU devices with
-  one intra-op thread each), `print_environment`, the versions and devices,
+- `configure_devices`: the N replica devices (GPUs, the first GPU split in N
+  when there are fewer, or logical CPU devices with one intra-op thread each),
+  `print_environment`, the versions and devices,
   and `warn_missing_devices`;
 - `timed_rounds`: the interleaved timed repeats, starting variant rotating,
   with `LoadMeter`, the CPU that other processes took meanwhile;
@@ -42,10 +43,23 @@ import tensorflow as tf  # noqa: E402
 
 # ------------------------------------------------------------------- devices
 
+SPLIT_GPU_MEMORY_MB = 8192
+
 
 def configure_devices(n: int) -> list[str]:
-    """Picks N replica devices; must run before TensorFlow initialises devices."""
-    if tf.config.list_physical_devices("GPU"):
+    """Picks N replica devices; must run before TensorFlow initialises devices.
+
+    With GPUs: the first N. With fewer GPUs than N, the first GPU is split into
+    N logical GPUs (TensorFlow's virtual devices, each with its own streams and
+    a memory limit of `SPLIT_GPU_MEMORY_MB`): they share the GPU's compute, so
+    they show what running the parts side by side gives, not what N GPUs give.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if 0 < len(gpus) < n:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=SPLIT_GPU_MEMORY_MB)
+                      for _ in range(n)])
+    if gpus:
         return kerasmulti.available_devices()[:n]
     # One thread per op and N concurrent ops: the one-device baseline gets one
     # core, N replicas get N, as N GPUs would give N times the compute. Threading
@@ -60,8 +74,12 @@ def print_environment(devices: list[str]) -> None:
     """Prints the versions in use and the replica devices."""
     print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}, "
           f"kerasmulti {kerasmulti.__version__}")
-    simulated = not tf.config.list_physical_devices("GPU")
-    note = " (logical CPU devices, 1 intra-op thread each)" if simulated else ""
+    gpus = tf.config.list_physical_devices("GPU")
+    note = ""
+    if not gpus:
+        note = " (logical CPU devices, 1 intra-op thread each)"
+    elif len(gpus) < len(devices):
+        note = f" (logical GPUs sharing {len(gpus)} physical GPU(s), {SPLIT_GPU_MEMORY_MB} MiB each)"
     print(f"Devices: {', '.join(devices)}{note}")
 
 
@@ -290,7 +308,9 @@ def run_once(variant: TrainPredictVariant, x, y, batch_size: int, record: bool, 
 
 def print_train_predict_table(variants, label: str, width: int) -> None:
     """Median train and predict samples/s per variant, the ratio to the first
-    variant (`label` heads the ratio columns), then the per-repeat numbers."""
+    variant (`label` heads the ratio columns), then the per-repeat numbers.
+    The name column is `width` wide, or wider where a name needs it."""
+    width = max(width, 2 + max(len(v.name) for v in variants))
     base_train, base_predict = median(variants[0].train), median(variants[0].predict)
     header = f"{'variant':<{width}}{'train/s':>10}{label:>8}{'predict/s':>11}{label:>8}"
     print(header)

@@ -8,7 +8,9 @@ variants, all in one process and on the same devices:
   should be negligible;
 - parallelize(gpus=N): the data-parallel wrapper over N devices;
 - MirroredStrategy: `tf.distribute.MirroredStrategy` over the same N devices,
-  the reference a user would otherwise reach for.
+  the reference a user would otherwise reach for;
+- with GPUs, parallelize(gpus=N, cpu_merge=False): outputs merged and
+  gradients summed on the first GPU instead of the CPU.
 
 Without GPUs the CPU is split into N logical devices (`simulate_devices`) with
 one intra-op thread each and N inter-op threads, so N replicas can keep N
@@ -16,7 +18,8 @@ cores busy: the speed-up shows whether the replicas really run concurrently.
 The bare model is not held to one core, though: its independent ops (the two
 gradients of a convolution, the input pipeline) overlap on the N inter-op
 threads, so its training already uses more than one core. On GPUs the script
-uses the first N GPUs and leaves TensorFlow's threading alone.
+uses the first N GPUs (with fewer, the first split in N logical GPUs, which
+share its compute) and leaves TensorFlow's threading alone.
 
 Each variant is warmed up first (one epoch and one predict), so tracing is not
 timed. The timed runs are interleaved: every repeat runs each variant once in
@@ -88,11 +91,11 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
     def bare():
         return compile_model(build_model()), lambda: tf.device(devices[0])
 
-    def wrapper(gpus):
+    def wrapper(gpus, cpu_merge=True):
         # Each wrapper gets its own template: wrappers train the template they
         # share weights with, and the variants must not train each other's.
         return lambda: (
-            compile_model(kerasmulti.parallelize(build_model(), gpus=gpus)),
+            compile_model(kerasmulti.parallelize(build_model(), gpus=gpus, cpu_merge=cpu_merge)),
             contextlib.nullcontext,
         )
 
@@ -115,6 +118,8 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
         (f"parallelize(gpus={n})", wrapper(n)),
         (f"MirroredStrategy ({n})", mirrored),
     ]
+    if tf.config.list_physical_devices("GPU"):
+        builders.append((f"parallelize(gpus={n}, cpu_merge=False)", wrapper(n, cpu_merge=False)))
     variants = []
     for name, builder in builders:
         variant = Variant(name)
@@ -140,7 +145,7 @@ def print_table(variants: list[Variant]) -> None:
 
 
 def print_checks(variants: list[Variant], n: int) -> None:
-    bare, one, many, mirrored = ((median(v.train), median(v.predict)) for v in variants)
+    bare, one, many, mirrored = ((median(v.train), median(v.predict)) for v in variants[:4])
     print("\nTargets:")
     unit = "samples/s"
     check(f"{n}-device train >= 1.3x bare", many[0], scaled(bare[0], 1.3), unit)

@@ -44,7 +44,8 @@ a 128-wide Dense "features" output):
 Without GPUs the CPU is split into N logical devices (`simulate_devices`) with
 one intra-op thread each and N inter-op threads, so N replicas can keep N
 cores busy while model.predict gets about one; on GPUs the script uses the
-first N GPUs and leaves TensorFlow's threading alone.
+first N GPUs (with fewer, the first split in N logical GPUs, which share its
+compute) and leaves TensorFlow's threading alone.
 
 Noise: `model.predict` is fed a tf.data pipeline without autotuning (see
 `_common.dataset`), which removed the iterator teardown stall that once made

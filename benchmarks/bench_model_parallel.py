@@ -29,8 +29,11 @@ them on the N inter-op threads whatever device they are on (logical CPU
 devices share one thread pool). So on CPU the one-device model already runs
 its branches side by side, and this benchmark shows only the cost (or not) of
 splitting the step across devices. On GPUs the script uses the first N GPUs
-and leaves TensorFlow's threading alone; a GPU runs one device's kernels in
-one stream, so there the branches overlap only when placed apart.
+(with fewer, the first split in N logical GPUs, which share its compute) and
+leaves TensorFlow's threading alone. A GPU runs one device's kernels in one
+stream, so there the branches can overlap only when placed apart; on one H100
+split in two they did not gain (see benchmarks/README.md): the step was bound
+by the host, which launches a device's kernels from one thread.
 
 Each variant is warmed up first (one epoch and one predict), so tracing is not
 timed. The timed runs are interleaved: every repeat runs each variant once in
@@ -228,7 +231,7 @@ def check_predictions(variants: list[Variant], x) -> None:
             record_failure(variant, error)
             return
     difference = float(np.max(np.abs(results[0] - results[1])))
-    same = np.allclose(results[0], results[1], rtol=1e-5, atol=1e-6)
+    same = np.allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
     verdict = "equal (allclose)" if same else "DIFFERENT"
     print(f"Predictions of the two models before training: {verdict}, "
           f"max |difference| {difference:.2e}")
@@ -267,7 +270,7 @@ def print_table(variants: list[Variant]) -> None:
 
 
 def print_checks(variants: list[Variant], n: int) -> None:
-    one, placed = ((median(v.train), median(v.predict)) for v in variants)
+    one, placed = ((median(v.train), median(v.predict)) for v in variants[:2])
     print("\nTargets:")
     unit = "samples/s"
     label = f"{n}-branch model on {n} devices >= 1.3x one device"

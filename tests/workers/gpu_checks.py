@@ -1,0 +1,99 @@
+"""Checks that need a GPU, run as a separate process by tests/test_gpu.py.
+
+    python gpu_checks.py
+
+Splits the first GPU into 2 logical GPUs (before TensorFlow starts, which the
+test process has already done on its CPU) and compares, with fresh random data:
+
+- `parallelize(gpus=2)` training and predict of a dense model, and of one with
+  BatchNormalization, with the template trained on one GPU;
+- the shared-LSTM example of the README placed on the two GPUs by
+  `device_scope`, compiled with Keras' default `jit_compile="auto"`, with the
+  same model unplaced.
+
+Prints one line per check and exits 1 if any fails.
+"""
+
+import contextlib
+import os
+import sys
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # noqa: E402
+
+GPU = tf.config.list_physical_devices("GPU")[0]
+tf.config.set_logical_device_configuration(GPU, [tf.config.LogicalDeviceConfiguration(memory_limit=2048)] * 2)
+import keras  # noqa: E402
+import kerasmulti  # noqa: E402
+import numpy as np  # noqa: E402
+
+rng = np.random.default_rng()
+
+
+def max_difference(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def data_parallel(batch_norm: bool) -> str:
+    def build():
+        keras.utils.set_random_seed(3)
+        layers = [keras.Input((12,)), keras.layers.Dense(16, activation="relu")]
+        layers += [keras.layers.BatchNormalization()] if batch_norm else []
+        return keras.Sequential(layers + [keras.layers.Dense(3, activation="softmax")])
+
+    x, y = rng.standard_normal((96, 12)).astype("float32"), rng.integers(0, 3, 96)
+    reference = build()
+    reference.compile("sgd", "sparse_categorical_crossentropy")
+    with tf.device("/gpu:0"):
+        reference.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    template = build()
+    parallel = kerasmulti.parallelize(template, gpus=2)
+    parallel.compile("sgd", "sparse_categorical_crossentropy")
+    parallel.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    weights = max_difference(reference.get_weights(), template.get_weights())
+    predictions = max_difference([reference.predict(x, verbose=0)], [parallel.predict(x, verbose=0)])
+    if not (weights < 1e-4 and predictions < 1e-4):
+        raise AssertionError(f"differs from one GPU: weights {weights:.1e}, predictions {predictions:.1e}")
+    return f"weights {weights:.1e}, predictions {predictions:.1e}"
+
+
+def shared_lstm() -> str:
+    def build(placed: bool):
+        keras.utils.set_random_seed(5)
+        tweet_a, tweet_b = keras.Input((6, 4)), keras.Input((6, 4))
+        shared = keras.layers.LSTM(8)
+        scope = kerasmulti.device_scope if placed else (lambda device: contextlib.nullcontext())
+        with scope("/gpu:0"):
+            encoded_a = shared(tweet_a)
+        with scope("/gpu:1"):
+            encoded_b = shared(tweet_b)
+        merged = keras.layers.concatenate([encoded_a, encoded_b])
+        model = keras.Model([tweet_a, tweet_b], keras.layers.Dense(1)(merged))
+        model.compile("adam", "mse")  # jit_compile="auto", Keras' default
+        return model
+
+    x = [rng.standard_normal((64, 6, 4)).astype("float32") for _ in range(2)]
+    y = rng.standard_normal((64, 1)).astype("float32")
+    unplaced, placed = build(False), build(True)
+    placed.set_weights(unplaced.get_weights())
+    for model in (unplaced, placed):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    devices = {row["device"] for row in kerasmulti.placement_summary(placed).rows if row["type"] == "LSTM"}
+    weights = max_difference(unplaced.get_weights(), placed.get_weights())
+    if weights > 1e-4 or devices != {"/device:GPU:0", "/device:GPU:1"}:
+        raise AssertionError(f"weights differ by {weights:.1e} from unplaced; LSTM calls on {sorted(devices)}")
+    return f"weights {weights:.1e}, LSTM calls on {sorted(devices)}"
+
+
+failed = False
+for name, check in [("data parallel, dense", lambda: data_parallel(False)),
+                    ("data parallel, BatchNormalization", lambda: data_parallel(True)),
+                    ("model parallel, shared LSTM", shared_lstm)]:
+    try:
+        print(f"ok {name}: {check()}", flush=True)
+    except Exception:
+        failed = True
+        print(f"FAILED {name}", flush=True)
+        traceback.print_exc()
+sys.exit(1 if failed else 0)
