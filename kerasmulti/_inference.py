@@ -30,9 +30,11 @@ from keras import tree
 from kerasmulti import _atomic, _sources
 from kerasmulti import _cluster
 from kerasmulti._parallel import ParallelModel, unwrap
+from kerasmulti._devices import resolve_devices
 from kerasmulti._parallelize import local_parallel
 
 PROGRESS = "kerasmulti_rows_done"
+_CACHE = "__kerasmulti_parallel_models"
 _PREFETCH = 2
 
 
@@ -152,8 +154,9 @@ def parallel_predict(
 
     Args:
         model: A `keras.Model`, or a model from `parallelize` (its devices are
-            used unless `gpus` or `devices` is given, and its compiled step is
-            reused by later calls: pass one when predicting many times).
+            used unless `gpus` or `devices` is given). Later calls on the same
+            devices reuse the compiled step; for a plain model it is kept with
+            the model, unseen by Keras (not a layer, not saved).
         data: Numpy arrays (lists or dicts of them for several inputs, a
             memory-mapped `.npy` file), an `h5py.Dataset`, a
             `keras.utils.PyDataset` or a `tf.data.Dataset` (both yield batches).
@@ -201,8 +204,7 @@ def parallel_predict(
     if type(model) is ParallelModel and gpus is None and devices is None:
         parallel = model  # its compiled step is reused across calls
     else:
-        # In a cluster too, inference runs on this worker's devices alone.
-        parallel = local_parallel(unwrap(model), gpus=gpus, devices=devices)
+        parallel = _parallel_of(unwrap(model), gpus, devices)
     template = parallel._template
     source = _sources.make_source(data)
     if source.rows == 0:
@@ -240,6 +242,24 @@ def parallel_predict(
             f[PROGRESS][()] = end  # only after the rows are on disk
             f.flush()
     return output
+
+
+def _parallel_of(model, gpus, devices) -> ParallelModel:
+    """The parallel model of `model` on these devices, built once and reused.
+
+    Kept in the model's `__dict__` under a name starting with `__`, which both
+    Keras' attribute tracking and its saving walk skip: it is not a sub-layer
+    and is not saved. Keyed by the devices and the layers, so a Sequential
+    grown since gets a new one.
+    """
+    if not isinstance(model, keras.Model):
+        return local_parallel(model, gpus=gpus, devices=devices)  # raises its TypeError
+    # In a cluster too, inference runs on this worker's devices alone.
+    key = (tuple(resolve_devices(gpus, devices)), tuple(map(id, model._flatten_layers(include_self=False))))
+    cache = model.__dict__.setdefault(_CACHE, {})
+    if key not in cache:
+        cache[key] = local_parallel(model, gpus=gpus, devices=devices)
+    return cache[key]
 
 
 def _predictor(parallel):

@@ -1,11 +1,13 @@
 """parallel_predict: equal to model.predict row for row, streamed, resumable."""
 
+import io
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import h5py
 import keras
@@ -199,6 +201,59 @@ def test_a_parallel_model_reuses_its_compiled_step_across_calls():
     _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(parallel, x, batch_size=8, verbose=0))
     assert parallel._kerasmulti_predict is step
     assert step.experimental_get_tracing_count() == traces
+
+
+def test_a_plain_model_is_parallelized_once_per_devices_and_architecture():
+    model, x = _two_outputs(), _data(20)
+    layers = list(model.layers)
+    kerasmulti.parallel_predict(model, x, batch_size=8, verbose=0)
+    kerasmulti.parallel_predict(model, x, gpus=2, batch_size=8, verbose=0)
+    (first, step), (second, _) = [(p, p._kerasmulti_predict) for p in _cached(model)]
+    assert first._replica_devices != second._replica_devices
+    traces = step.experimental_get_tracing_count()
+    model.layers[1].kernel.assign(np.random.default_rng().normal(size=(6, 8)))  # weights are shared
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=8, verbose=0))
+    assert _cached(model)[0] is first and step.experimental_get_tracing_count() == traces
+    assert model.layers == layers and len(model.weights) == 6  # not a sub-layer
+
+
+def test_a_subclassed_model_saves_and_loads_the_same_after_parallel_predict(tmp_path):
+    model, x = TwoDense(), _data(16)
+    model(x[:1])
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0))
+    assert _cached(model)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as weights:
+        with h5py.File(io.BytesIO(weights.read()), "r") as f:
+            paths = []
+            f.visit(paths.append)
+    assert paths and not [p for p in paths if "kerasmulti" in p or "parallel" in p], paths
+    loaded = keras.saving.load_model(path, custom_objects={"TwoDense": TwoDense})
+    _assert_same(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+
+
+@keras.saving.register_keras_serializable("kerasmulti_tests")
+class TwoDense(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_a_grown_sequential_gets_a_new_parallel_model():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4)])
+    x = _data(12)
+    kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0)
+    model.add(keras.layers.Dense(2))
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0))
+
+
+def _cached(model):
+    return list(model.__dict__.get("__kerasmulti_parallel_models", {}).values())
 
 
 def test_reader_thread_ends_when_prediction_fails():
