@@ -14,6 +14,7 @@ Public API (everything else is private):
 - `ParallelBackupAndRestore`: `BackupAndRestore` that resumes a parallel model exactly.
 - `DeviceError`: a device request this machine cannot satisfy (a ValueError).
 - `is_chief()`, `ClusterError`: in a cluster, the process that writes; a cluster that cannot go on.
+- `LaunchError`: a launch request that cannot be started (a ValueError).
 """
 
 import os as _os
@@ -42,6 +43,7 @@ from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
+from kerasmulti._launch import LaunchError  # noqa: E402
 from kerasmulti._launch import launch  # noqa: E402
 from kerasmulti._placement import OnDevice  # noqa: E402
 from kerasmulti._placement import device_scope  # noqa: E402
@@ -55,6 +57,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterError",
     "DeviceError",
+    "LaunchError",
     "OnDevice",
     "ParallelBackupAndRestore",
     "ParallelModel",

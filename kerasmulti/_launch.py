@@ -33,7 +33,22 @@ POLL_S = 0.2
 
 
 class LaunchError(ValueError):
-    """A launch request that cannot be started."""
+    """A launch request that cannot be started: bad workers, devices or hosts.
+
+    Raised by `launch()` and by `kerasmulti launch` before any worker starts.
+    A `ValueError`, so `except ValueError` keeps working; the message says what
+    to change and ends with `Received: ...`.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    try:
+        kerasmulti.launch(print, workers=0)
+    except kerasmulti.LaunchError as error:
+        print(error)
+    ```
+    """
 
 
 def free_ports(n: int) -> list[int]:

@@ -7,6 +7,7 @@ import kerasmulti
 PUBLIC = [
     "ClusterError",
     "DeviceError",
+    "LaunchError",
     "OnDevice",
     "ParallelBackupAndRestore",
     "ParallelModel",

@@ -116,7 +116,7 @@ def test_the_notebook_launcher_refuses_once_tensorflow_ran():
     ],
 )
 def test_the_notebook_launcher_refuses_bad_arguments(function, workers, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(kerasmulti.LaunchError, match=message):
         kerasmulti.launch(function, workers=workers, devices_per_worker=-1 if "devices" in message else None)
 
 
