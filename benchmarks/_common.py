@@ -79,7 +79,7 @@ def print_environment(devices: list[str]) -> None:
     if not gpus:
         note = " (logical CPU devices, 1 intra-op thread each)"
     elif len(gpus) < len(devices):
-        note = f" (logical GPUs sharing {len(gpus)} physical GPU(s), {SPLIT_GPU_MEMORY_MB} MiB each)"
+        note = f" (logical GPUs, all on the first physical GPU, {SPLIT_GPU_MEMORY_MB} MiB each)"
     print(f"Devices: {', '.join(devices)}{note}")
 
 

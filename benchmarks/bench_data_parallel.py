@@ -1,7 +1,7 @@
 """Throughput of `kerasmulti.parallelize` against one device and MirroredStrategy.
 
 Measures samples/s of `fit` (one epoch) and `predict` for one small CNN in four
-variants, all in one process and on the same devices:
+variants (five with GPUs), all in one process and on the same devices:
 
 - bare: the plain Keras model on the first device;
 - parallelize(gpus=1): the one-device pass-through wrapper, whose overhead

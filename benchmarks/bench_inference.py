@@ -13,11 +13,9 @@ a 128-wide Dense "features" output):
    Each variant is warmed up first (and checked against model.predict), then
    the timed runs are interleaved: every repeat runs each variant once in
    turn, the starting variant rotating, so a burst of load from other processes
-   slows all variants alike; the median over repeats is reported. Note that
-   parallel_predict builds a new parallel model and `tf.function` on every
-   call, so its warm-up cannot save the tracing of later calls: each timed
-   call pays it, as a user's calls would (about 0.1 s here; twice that with
-   `output=`, which first predicts 2 rows to size the file, a second trace).
+   slows all variants alike; the median over repeats is reported.
+   parallel_predict keeps the parallel model it builds for a plain model, and
+   its traced step, so like model.predict it traces in the warm-up only.
 
 2. Memory as the input grows 10x: an input of R rows and one of 10R rows (by
    default 2,000 and 20,000 rows of 32x32x3 float32, 24.6 and 246 MB) are
@@ -200,8 +198,8 @@ def check_results(variants: list[Variant], results: list) -> None:
 
 def benchmark(variants: list[Variant], sizes: Sizes) -> None:
     x = make_data(sizes.samples)
-    # Warm-up: model.predict's tracing stays untimed (parallel_predict
-    # traces on every call, so for it this only warms the runtime).
+    # Warm-up: tracing stays untimed (parallel_predict keeps its parallel
+    # model and traced step from one call to the next, as model.predict does).
     results = [run_once(v, x, record=False) for v in variants]
     check_results(variants, results)
     del results

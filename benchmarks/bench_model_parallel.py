@@ -32,8 +32,8 @@ splitting the step across devices. On GPUs the script uses the first N GPUs
 (with fewer, the first split in N logical GPUs, which share its compute) and
 leaves TensorFlow's threading alone. A GPU runs one device's kernels in one
 stream, so there the branches can overlap only when placed apart; on one H100
-split in two they did not gain (see benchmarks/README.md): the step was bound
-by the host, which launches a device's kernels from one thread.
+split in two they did not gain (see benchmarks/README.md), with the GPU far
+from busy.
 
 Each variant is warmed up first (one epoch and one predict), so tracing is not
 timed. The timed runs are interleaved: every repeat runs each variant once in

@@ -31,7 +31,7 @@ from kerasmulti import _atomic, _sources
 from kerasmulti import _cluster
 from kerasmulti._parallel import ParallelModel, unwrap
 from kerasmulti._devices import resolve_devices
-from kerasmulti._parallelize import local_parallel
+from kerasmulti._parallelize import _check_model, local_parallel
 
 PROGRESS = "kerasmulti_rows_done"
 _CACHE = "__kerasmulti_parallel_models"
@@ -247,19 +247,26 @@ def parallel_predict(
 def _parallel_of(model, gpus, devices) -> ParallelModel:
     """The parallel model of `model` on these devices, built once and reused.
 
-    Kept in the model's `__dict__` under a name starting with `__`, which both
-    Keras' attribute tracking and its saving walk skip: it is not a sub-layer
-    and is not saved. Keyed by the devices and the layers, so a Sequential
-    grown since gets a new one.
+    One per set of devices, kept in the model's `__dict__` under a name that
+    starts with `__`, which Keras' attribute tracking and its saving walk both
+    skip: it is no sub-layer and is not saved. It is rebuilt when the model's
+    layers or variables are no longer those it was built on (a Sequential grown
+    since, variables moved by `cpu_relocation` or by joining a cluster, a
+    quantized model). Like `model.predict`'s, its step is traced once: Python
+    state that the model's `call` reads is taken as it was then.
     """
-    if not isinstance(model, keras.Model):
-        return local_parallel(model, gpus=gpus, devices=devices)  # raises its TypeError
+    _check_model(model)  # the errors parallelize() gives, in its order
     # In a cluster too, inference runs on this worker's devices alone.
-    key = (tuple(resolve_devices(gpus, devices)), tuple(map(id, model._flatten_layers(include_self=False))))
+    key = tuple(resolve_devices(gpus, devices))
+    # Only outside an autocast scope (as here) is `value` the variable itself.
+    built_on = [*model._flatten_layers(include_self=False), *(v.value for v in model.variables)]
     cache = model.__dict__.setdefault(_CACHE, {})
-    if key not in cache:
-        cache[key] = local_parallel(model, gpus=gpus, devices=devices)
-    return cache[key]
+    parallel, cached_on = cache.get(key, (None, []))
+    same = len(cached_on) == len(built_on) and all(a is b for a, b in zip(cached_on, built_on))
+    if parallel is None or not same:
+        parallel = local_parallel(model, gpus=gpus, devices=devices)
+        cache[key] = parallel, built_on
+    return parallel
 
 
 def _predictor(parallel):

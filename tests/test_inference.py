@@ -217,6 +217,19 @@ def test_a_plain_model_is_parallelized_once_per_devices_and_architecture():
     assert model.layers == layers and len(model.weights) == 6  # not a sub-layer
 
 
+def test_moved_or_quantized_variables_get_a_new_parallel_model():
+    model, x = _two_outputs(), _data(16)
+    kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0)
+    # cpu_relocation gives the model new variables, which the training changes.
+    parallel = kerasmulti.parallelize(model, gpus=2, cpu_relocation=True)
+    parallel.compile("sgd", ["mse", "mse"])
+    parallel.fit(x, [np.ones((16, 3)), np.ones((16, 1))], batch_size=8, epochs=2, verbose=0)
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0))
+    model.quantize("int8")
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0))
+    assert len(_cached(model)) == 1  # one per set of devices, replaced
+
+
 def test_a_subclassed_model_saves_and_loads_the_same_after_parallel_predict(tmp_path):
     model, x = TwoDense(), _data(16)
     model(x[:1])
@@ -253,7 +266,7 @@ def test_a_grown_sequential_gets_a_new_parallel_model():
 
 
 def _cached(model):
-    return list(model.__dict__.get("__kerasmulti_parallel_models", {}).values())
+    return [parallel for parallel, _ in model.__dict__.get("__kerasmulti_parallel_models", {}).values()]
 
 
 def test_reader_thread_ends_when_prediction_fails():

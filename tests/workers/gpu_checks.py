@@ -81,7 +81,7 @@ def shared_lstm() -> str:
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     devices = {row["device"] for row in kerasmulti.placement_summary(placed).rows if row["type"] == "LSTM"}
     weights = max_difference(unplaced.get_weights(), placed.get_weights())
-    if weights > 1e-4 or devices != {"/device:GPU:0", "/device:GPU:1"}:
+    if weights > 1e-3 or devices != {"/device:GPU:0", "/device:GPU:1"}:
         raise AssertionError(f"weights differ by {weights:.1e} from unplaced; LSTM calls on {sorted(devices)}")
     return f"weights {weights:.1e}, LSTM calls on {sorted(devices)}"
 
