@@ -37,6 +37,11 @@ class DeviceError(ValueError):
     """
 
 
+def is_positive_int(value) -> bool:
+    """True for an int of at least 1; False for bools, floats and anything else."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _canonical(name: str) -> str:
     spec = tf.DeviceSpec.from_string(name)
     return f"/device:{spec.device_type}:{spec.device_index}"
@@ -111,7 +116,7 @@ def simulate_devices(n: int) -> list[str]:
     print(kerasmulti.available_devices())
     ```
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_positive_int(n):
         raise ValueError(
             "simulate_devices() expects a positive int, the number of logical "
             f"CPU devices to create. Received: n={n!r}"

@@ -30,7 +30,7 @@ from keras import tree
 from kerasmulti import _atomic, _sources
 from kerasmulti import _cluster
 from kerasmulti._parallel import ParallelModel, unwrap
-from kerasmulti._devices import resolve_devices
+from kerasmulti._devices import is_positive_int, resolve_devices
 from kerasmulti._parallelize import _check_model, local_parallel
 
 PROGRESS = "kerasmulti_rows_done"
@@ -188,7 +188,7 @@ def parallel_predict(
     kerasmulti.parallel_predict(model, x, batch_size=128, output="features.h5")
     ```
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_positive_int(batch_size):
         raise ValueError(
             "parallel_predict() needs batch_size to be a positive int, the rows "
             f"predicted per step. Received: batch_size={batch_size!r}"

@@ -29,6 +29,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from kerasmulti._devices import is_positive_int
+
 POLL_S = 0.2
 
 
@@ -97,11 +99,9 @@ def _pump(stream, prefix: str, out) -> None:
 
 
 def _check_workers(workers, devices_per_worker=None) -> None:
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    if not is_positive_int(workers):
         raise LaunchError(f"workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
-    if devices_per_worker is not None and (
-        isinstance(devices_per_worker, bool) or not isinstance(devices_per_worker, int) or devices_per_worker < 1
-    ):
+    if devices_per_worker is not None and not is_positive_int(devices_per_worker):
         raise LaunchError(
             "devices_per_worker must be a positive int, the GPUs (or simulated "
             f"devices) each worker gets, or None. Received: devices_per_worker={devices_per_worker!r}"
