@@ -8,7 +8,9 @@ template, reloads it on one device and checks that its predictions match.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import statistics
 import time
 
 import keras
@@ -60,11 +62,30 @@ def _compile(model):
     )
 
 
-def _throughput(model, x, y, batch_size, epochs=3) -> float:
-    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # warm-up: tracing
-    start = time.perf_counter()
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0)
-    return epochs * len(x) / (time.perf_counter() - start)
+def _batches(x, y, batch_size: int) -> tf.data.Dataset:
+    """The data without tf.data autotuning, whose teardown stalls for about a second.
+
+    `fit` on arrays builds an autotuned pipeline, and TensorFlow 2.21 waits
+    about a second to destroy its iterator; whether that lands inside a timed
+    epoch is chance (benchmarks/README.md), which made the ratio swing from
+    0.78x to 1.24x between runs of the demo.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).prefetch(2).with_options(options)
+
+
+def _throughputs(single, parallel, device: str, batches, rows: int, rounds: int = 5) -> tuple[float, float]:
+    """Median samples/s of one epoch of each model, the two taking turns."""
+    times = {"single": [], "parallel": []}
+    for timed in [False] + [True] * rounds:  # the first round traces, untimed
+        for name, model in (("single", single), ("parallel", parallel)):
+            with tf.device(device) if model is single else contextlib.nullcontext():
+                start = time.perf_counter()
+                model.fit(batches, epochs=1, verbose=0)
+                if timed:
+                    times[name].append(time.perf_counter() - start)
+    return rows / statistics.median(times["single"]), rows / statistics.median(times["parallel"])
 
 
 def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasmulti-demo") -> int:
@@ -92,9 +113,8 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
 
     single = _convnet(seed=42)
     _compile(single)
-    with tf.device(devices[0]):
-        one = _throughput(single, x_train, y_train, batch_size)
-    many = _throughput(parallel, x_train, y_train, batch_size)
+    batches = _batches(x_train, y_train, batch_size)
+    one, many = _throughputs(single, parallel, devices[0], batches, len(x_train))
     print(
         f"throughput: {many:,.0f} samples/s on {len(devices)} device(s), "
         f"{one:,.0f} samples/s on one: {many / one:.2f}x"
