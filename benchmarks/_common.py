@@ -39,6 +39,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
 import kerasmulti  # noqa: E402
+from kerasmulti import _sources  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 # ------------------------------------------------------------------- devices
@@ -253,21 +254,17 @@ def _rows(x) -> int:
 def dataset(x, y, batch_size: int, shuffle: bool = True):
     """The arrays (y None for predict) as a tf.data pipeline without autotuning, for every variant alike.
 
-    With TensorFlow 2.21, `fit` on arrays builds an autotuned pipeline whose
-    iterator takes about a second to be destroyed (the main thread waits for
-    its autotuning thread); whether that wait falls inside a timed epoch or
-    after it is chance, which made whole epochs run at one of two speeds.
-    Without autotuning the wait is gone and epochs are steady.
+    `fit` on arrays would build an autotuned pipeline, whose teardown stall
+    (see `kerasmulti._sources.batched`) fell inside some timed epochs and not
+    others, which made whole epochs run at one of two speeds.
     """
-    options = tf.data.Options()
-    options.autotune.enabled = False
     # A list would be stacked into one tensor; a tuple stays one input each.
     x = tuple(x) if isinstance(x, list) else x
     # (x,) for predict: Keras would read a tuple of inputs as (x, y).
     pipeline = tf.data.Dataset.from_tensor_slices((x,) if y is None else (x, y))
     if shuffle:
         pipeline = pipeline.shuffle(_rows(x), reshuffle_each_iteration=True)
-    return pipeline.batch(batch_size).prefetch(2).with_options(options)
+    return _sources.batched(pipeline, batch_size)
 
 
 def time_fit(variant: TrainPredictVariant, x, y, batch_size: int, shuffle: bool = True) -> float:

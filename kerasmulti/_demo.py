@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasmulti import _split
+from kerasmulti import _sources, _split
 from kerasmulti._parallelize import parallelize
 
 
@@ -62,19 +62,6 @@ def _compile(model):
     )
 
 
-def _batches(x, y, batch_size: int) -> tf.data.Dataset:
-    """The data without tf.data autotuning, whose teardown stalls for about a second.
-
-    `fit` on arrays builds an autotuned pipeline, and TensorFlow 2.21 waits
-    about a second to destroy its iterator; whether that lands inside a timed
-    epoch is chance (benchmarks/README.md), which made the ratio swing from
-    0.78x to 1.24x between runs of the demo.
-    """
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size).prefetch(2).with_options(options)
-
-
 def _throughputs(single, parallel, device: str, batches, rows: int, rounds: int = 5) -> tuple[float, float]:
     """Median samples/s of one epoch of each model, the two taking turns."""
     times = {"single": [], "parallel": []}
@@ -113,7 +100,9 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
 
     single = _convnet(seed=42)
     _compile(single)
-    batches = _batches(x_train, y_train, batch_size)
+    # Not the arrays: fit's autotuned pipeline stalls about a second per epoch,
+    # inside some timed epochs and not others (the ratio swung 0.78x to 1.24x).
+    batches = _sources.batched(tf.data.Dataset.from_tensor_slices((x_train, y_train)), batch_size)
     one, many = _throughputs(single, parallel, devices[0], batches, len(x_train))
     print(
         f"throughput: {many:,.0f} samples/s on {len(devices)} device(s), "

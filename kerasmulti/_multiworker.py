@@ -41,7 +41,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from kerasmulti import _cluster, _losses, _split
+from kerasmulti import _cluster, _losses, _sources, _split
 from kerasmulti._parallel import ParallelModel
 
 
@@ -135,11 +135,7 @@ class WorkerModel(ParallelModel):
             data_adapter_utils.pack_x_y_sample_weight(*arrays)
         )
         dataset = dataset.shuffle(rows, seed=self._seed, reshuffle_each_iteration=True)
-        # Without autotuning: TensorFlow 2.21 waits seconds at every epoch's
-        # end for an autotuned iterator to be dropped (benchmarks/README.md).
-        options = tf.data.Options()
-        options.autotune.enabled = False
-        dataset = dataset.batch(batch_size or 32).prefetch(2).with_options(options)
+        dataset = _sources.batched(dataset, batch_size or 32)
         kwargs["shuffle"] = False
         return dataset, None, None, kwargs
 

@@ -4,7 +4,8 @@ Every source is read a batch at a time, so memory stays flat however large the
 input: numpy arrays (also memory-mapped `.npy` files and lists/dicts of
 arrays for multi-input models), `h5py.Dataset`, `keras.utils.PyDataset` and
 `tf.data.Dataset` (both yield batches: `x` or `(x, y, ...)`, of which only `x`
-is used).
+is used). Also `batched`, the pipeline that training input without a given
+dataset is fed through (multi-worker fit, the demo, the benchmarks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
+
+
+def batched(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
+    """Batches and prefetches `dataset` with tf.data autotuning off.
+
+    `fit` on arrays builds an autotuned pipeline, and TensorFlow 2.21 waits
+    about a second at every epoch's end for its iterator to be destroyed (the
+    main thread joins the autotuning thread; benchmarks/README.md). Without
+    autotuning the wait is gone and epochs are steady.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.batch(batch_size).prefetch(2).with_options(options)
 
 
 class Source:
