@@ -150,12 +150,14 @@ class OnDevice(keras.layers.Layer):
             **super().get_config(),
             "layer": keras.saving.serialize_keras_object(self.layer),
             "device": self.device,
+            # Which wrappers share one layer object, within one saved model.
+            "layer_id": id(self.layer),
         }
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        layer = _shared_layer(config.pop("layer"))
+        layer = _shared_layer(config.pop("layer"), config.pop("layer_id", None))
         # Devices are not checked here: the file may come from another machine.
         return cls(layer, config.pop("device"), _validated=True, **config)
 
@@ -167,16 +169,25 @@ def _on_device_with_gradients(layer, device, inputs, args, kwargs):
     when the gradient is taken (Keras' train step: none), not where the
     forward ops ran. This call records its own forward pass and, in its
     custom gradient, takes the gradient inside `tf.device(device)`, so the
-    backward pass of the branch runs on the branch's device.
+    backward pass of the branch runs on the branch's device. Every tensor the
+    call receives (`inputs`, and tensors among the other arguments, such as
+    `MultiHeadAttention`'s `value`) goes through the custom gradient, so
+    gradients reach all of them.
     """
-    flat_inputs = keras.tree.flatten(inputs)
+    inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
+    leaves = keras.tree.flatten((inputs, args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
     results = {}
 
     @tf.custom_gradient
-    def forward(*flat):
+    def forward(*tensors):
+        call_leaves = list(leaves)
+        for i, tensor in zip(positions, tensors):
+            call_leaves[i] = tensor
+        call_inputs, call_args, call_kwargs = keras.tree.pack_sequence_as((inputs, args, kwargs), call_leaves)
         with tf.GradientTape() as tape, _suspended(), tf.device(device):
-            tape.watch([t for t in flat if t.dtype.is_floating])
-            outputs = layer(keras.tree.pack_sequence_as(inputs, list(flat)), *args, **kwargs)
+            tape.watch([t for t in tensors if t.dtype.is_floating])
+            outputs = layer(call_inputs, *call_args, **call_kwargs)
         results["outputs"] = outputs
         flat_outputs = keras.tree.flatten(outputs)
 
@@ -184,17 +195,17 @@ def _on_device_with_gradients(layer, device, inputs, args, kwargs):
             variables = list(variables or [])
             with tf.device(device):
                 gradients = tape.gradient(
-                    flat_outputs, list(flat) + variables, output_gradients=list(upstream),
+                    flat_outputs, list(tensors) + variables, output_gradients=list(upstream),
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
             input_gradients = [
-                g if t.dtype.is_floating else None for g, t in zip(gradients[: len(flat)], flat)
+                g if t.dtype.is_floating else None for g, t in zip(gradients[: len(tensors)], tensors)
             ]
-            return input_gradients, gradients[len(flat):]
+            return input_gradients, gradients[len(tensors):]
 
         return flat_outputs, grad
 
-    flat_outputs = forward(*[tf.convert_to_tensor(t) for t in flat_inputs])
+    flat_outputs = forward(*[leaves[i] for i in positions])
     # The custom gradient returns new tensors: carry the layer's output masks
     # over (boolean, so they need no gradient).
     for inner, outer in zip(keras.tree.flatten(results["outputs"]), flat_outputs):
@@ -204,16 +215,21 @@ def _on_device_with_gradients(layer, device, inputs, args, kwargs):
     return keras.tree.pack_sequence_as(results["outputs"], list(flat_outputs))
 
 
-def _shared_layer(layer_config):
+def _shared_layer(layer_config, layer_id):
     """Deserialises a wrapped layer once per model, however many wrappers share it.
 
     Keras marks shared objects only on their second appearance in a saved
-    config, so the first wrapper's copy is unmarked. Within one load (Keras'
-    object-sharing map exists then), wrapped layers are reused by name, which
-    is unique within a model.
+    config, so the first wrapper's copy is unmarked. Each wrapper's config
+    therefore names its layer object (`layer_id`, unique within one saved
+    model; two sub-models may hold different layers of the same name), and
+    within one load (Keras' object-sharing map exists then) wrappers with the
+    same `layer_id` get the same layer. Files from before `layer_id` match by
+    layer name.
     """
     shared = global_state.get_global_attribute("shared_objects/id_to_obj_map")
-    key = ("kerasmulti.OnDevice", layer_config.get("config", {}).get("name"))
+    if layer_id is None:
+        layer_id = layer_config.get("config", {}).get("name")
+    key = ("kerasmulti.OnDevice", layer_id)
     if shared is not None and key in shared:
         return shared[key]
     layer = keras.saving.deserialize_keras_object(layer_config)

@@ -1,5 +1,6 @@
 """Model parallelism: device_scope / on_device placement, proven by tracing."""
 
+import contextlib
 import io
 import zipfile
 
@@ -136,6 +137,47 @@ def test_placement_and_sharing_survive_saving(tmp_path):
     wrappers = [layer for layer in loaded.layers if isinstance(layer, kerasmulti.OnDevice)]
     assert [w.device for w in wrappers] == ["/device:CPU:1", "/device:CPU:2"]
     assert wrappers[0].layer is wrappers[1].layer
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+
+
+def _attention(placed):
+    keras.utils.set_random_seed(7)
+    query, context = keras.Input((3, 4)), keras.Input((5, 4))
+    value = keras.layers.Dense(4, name="value_projection")(context)
+    attention = keras.layers.MultiHeadAttention(2, 4)
+    with kerasmulti.device_scope("/cpu:1") if placed else contextlib.nullcontext():
+        attended = attention(query, value)  # `value` is an argument besides the inputs
+    return keras.Model([query, context], keras.layers.Flatten()(attended))
+
+
+def test_gradients_reach_tensors_passed_as_other_arguments():
+    placed, plain = _attention(placed=True), _attention(placed=False)
+    x = [RNG.normal(size=(4, 3, 4)).astype("float32"), RNG.normal(size=(4, 5, 4)).astype("float32")]
+    gradients = []
+    for model in (placed, plain):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2)
+        gradients.append(tape.gradient(loss, model.get_layer("value_projection").trainable_variables))
+    assert all(g is not None for g in gradients[0])
+    for a, b in zip(*gradients):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_same_named_layers_in_placed_sub_models_stay_apart_after_saving(tmp_path):
+    def tower(name, device):
+        inputs = keras.Input((4,))
+        with kerasmulti.device_scope(device):
+            outputs = keras.layers.Dense(3, name="projection")(inputs)  # same name in both
+        return keras.Model(inputs, outputs, name=name)
+
+    inputs = keras.Input((4,))
+    towers = [tower("tower_a", "/cpu:1"), tower("tower_b", "/cpu:2")]
+    model = keras.Model(inputs, keras.layers.Concatenate()([t(inputs) for t in towers]))
+    path = str(tmp_path / "towers.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.count_params() == model.count_params() == 2 * (4 * 3 + 3)
+    x = RNG.normal(size=(5, 4)).astype("float32")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
 
