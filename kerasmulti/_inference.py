@@ -225,23 +225,44 @@ def parallel_predict(
 
     attributes = {
         "kerasmulti_model": _sources.model_fingerprint(template),
-        "kerasmulti_input": _sources.fingerprint(source, sample),
+        "kerasmulti_input": _sources.fingerprint(source),
         "kerasmulti_rows": source.rows,
     }
+    _check_not_input(data, output)
     outputs = predict(sample)
     names = _output_names(template, outputs)
     if not os.path.exists(output):
-        spec = [(np.shape(o)[1:], np.asarray(o).dtype) for o in tree.flatten(outputs)]
+        spec = [(np.shape(o)[1:], _file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
         _create(output, source.rows, spec, names, attributes, extra or {})
     with _open_existing(output, attributes) as f:
         done = int(f[PROGRESS][()])
         for batch, (begin, end) in _run(predict, source, done, batch_size, verbose):
             for name, values in zip(names, tree.flatten(batch)):
-                f[name][begin:end] = values
+                f[name][begin:end] = np.asarray(values).astype(f[name].dtype, copy=False)
             f.flush()
             f[PROGRESS][()] = end  # only after the rows are on disk
             f.flush()
     return output
+
+
+def _file_dtype(dtype: np.dtype) -> np.dtype:
+    # HDF5 has no bfloat16 (mixed_bfloat16 outputs): h5py would store opaque
+    # bytes. float32 holds every bfloat16 value exactly.
+    return np.dtype("float32") if dtype.name == "bfloat16" else dtype
+
+
+def _check_not_input(data, output: str) -> None:
+    """Refuses an output path that is the input's own file."""
+    if not os.path.exists(output):
+        return
+    for leaf in tree.flatten(data):
+        file = getattr(getattr(leaf, "file", None), "filename", None) or getattr(leaf, "filename", None)
+        if isinstance(file, (str, os.PathLike)) and os.path.exists(file) and os.path.samefile(file, output):
+            raise ValueError(
+                f"parallel_predict() would write its results into '{output}', the "
+                "file it reads its input from, which would destroy the input. "
+                f"Choose another output path. Received: output={output!r}"
+            )
 
 
 def _parallel_of(model, gpus, devices) -> ParallelModel:
@@ -288,7 +309,17 @@ def _run(predict, source, start, batch_size, verbose):
     for inputs in _prefetch(source.batches(start, batch_size)):
         predictions = predict(inputs)
         end = row + len(tree.flatten(predictions)[0])
+        if end > source.rows:
+            row = end  # more rows than counted: reported below
+            break
         yield predictions, (row, end)
         rate = (end - start) / max(time.perf_counter() - begin_time, 1e-9)
         bar.update(end, values=[("rows/s", rate)])
         row = end
+    if row != source.rows:
+        raise ValueError(
+            f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but "
+            f"{source.rows} were counted before predicting: parallel_predict() reads "
+            "some inputs more than once, and they must give the same rows each time. "
+            f"Received: {row} rows"
+        )

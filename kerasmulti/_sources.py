@@ -41,12 +41,12 @@ class Source:
         raise NotImplementedError
 
     def sample(self):
-        """The first rows, for shape checks and the fingerprint."""
+        """The first rows, for shape checks."""
         return next(iter(self.batches(0, 2)))
 
-    def last(self):
-        """The last rows, for the fingerprint."""
-        return next(iter(self.batches(max(0, self.rows - 2), 2)))
+    def fingerprint_parts(self) -> Iterator:
+        """Pieces of the input that identify it (with `rows`), for the fingerprint."""
+        raise NotImplementedError
 
 
 class ArraySource(Source):
@@ -64,56 +64,129 @@ class ArraySource(Source):
         for begin in range(start, self.rows, size):
             yield tree.map_structure(lambda a: np.asarray(a[begin : begin + size]), self.data)
 
+    def fingerprint_parts(self):
+        for begin in _sampled_rows(self.rows):
+            yield tree.map_structure(lambda a: np.asarray(a[begin : begin + 2]), self.data)
+
 
 class BatchedSource(Source):
-    """A PyDataset or a tf.data.Dataset: a sequence of batches of any size."""
+    """A PyDataset or a tf.data.Dataset: a sequence of batches.
+
+    The rows of every batch are known before predicting starts, so that a
+    resumed call finds the batch to start from. A pipeline is read once to
+    count them (and hashed whole meanwhile); a PyDataset's are taken from
+    its first and last batch, as Keras' contract says every batch but the
+    last is full. Every batch read later is checked against that count.
+    """
 
     def __init__(self, data):
         self.data = data
         if isinstance(data, tf.data.Dataset):
-            # A pipeline's batch sizes are unknown until read: count them once.
-            self.rows, self._last = 0, None
+            if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+                raise ValueError(
+                    "parallel_predict() got a tf.data.Dataset that never ends (it "
+                    "repeats), so it would never finish. Predict on a finite "
+                    "dataset: drop `.repeat()`, or take the rows you need with "
+                    "`.take(batches)`. Received: data with infinite cardinality"
+                )
+            self.sizes, hashes = [], None
             for batch in self._raw():
-                self.rows += _rows(batch)
-                self._last = batch
+                self.sizes.append(_rows(batch))
+                leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
+                hashes = hashes or [hashlib.sha256(f"{a.shape[1:]}{a.dtype}".encode()) for a in leaves]
+                for digest, array in zip(hashes, leaves):
+                    digest.update(array.tobytes())
+            self._hashes = [d.digest() for d in hashes or []]
         else:
-            # PyDataset batches are full but for the last one (Keras' contract).
-            n = len(data)
-            self.rows = 0 if n == 0 else (n - 1) * _rows(_inputs_of(data[0])) + _rows(_inputs_of(data[n - 1]))
+            n = data.num_batches
+            if n is None:
+                raise ValueError(
+                    "parallel_predict() got a PyDataset without a length (its "
+                    "`num_batches` is None), so it would never finish. Give it a "
+                    "`__len__`. Received: data.num_batches=None"
+                )
+            full = _rows(_inputs_of(data[0])) if n else 0
+            self.sizes = [full] * (n - 1) + ([_rows(_inputs_of(data[n - 1]))] if n else [])
+        self.rows = sum(self.sizes)
+        self._starts = np.cumsum([0, *self.sizes])
 
     def _raw(self, first_batch=0):
         if isinstance(self.data, tf.data.Dataset):
             for batch in self.data.skip(first_batch).as_numpy_iterator():
                 yield _inputs_of(batch)
         else:
-            for i in range(first_batch, len(self.data)):
+            for i in range(first_batch, len(self.sizes)):  # PyDataset: sizes come first
                 yield _inputs_of(self.data[i])
 
     def batches(self, start, size):
-        # Batches come as the source makes them, all of one size but the
-        # last; rows already done are skipped without reading their batches.
+        # Batches come as the source makes them; rows already done are
+        # skipped without reading their batches.
         if start >= self.rows:
             return
-        if start == 0:
-            yield from self._raw()
-            return
-        per_batch = _rows(self.sample())
-        first, skip = divmod(start, per_batch)
-        for batch in self._raw(first):
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        skip = start - int(self._starts[first])
+        for index, batch in enumerate(self._raw(first), first):
+            rows = _rows(batch)
+            expected = self.sizes[index] if index < len(self.sizes) else 0
+            if rows != expected:
+                raise ValueError(self._changed_batch(index, rows, expected))
             yield tree.map_structure(lambda a: np.asarray(a)[skip:], batch)
             skip = 0
+
+    def _changed_batch(self, index, rows, expected) -> str:
+        if isinstance(self.data, tf.data.Dataset):
+            return (
+                f"The tf.data.Dataset gave other batches when read again: batch {index} "
+                f"has {rows} rows now and had {expected}. parallel_predict() reads it "
+                "twice (to count its rows, then to predict), so it must yield the same "
+                "batches each time: shuffle with reshuffle_each_iteration=False, or "
+                f"not at all. Received: rows in batch {index}={rows}"
+            )
+        return (
+            f"PyDataset batch {index} has {rows} rows, but parallel_predict() expects "
+            f"{expected}: as in Keras, every batch but the last must be as large as "
+            "the first (the rows are counted from the first and last batch). Make "
+            f"the batches equal. Received: rows in batch {index}={rows}"
+        )
 
     def sample(self):
         return next(self._raw())
 
-    def last(self):
+    def fingerprint_parts(self):
         if isinstance(self.data, tf.data.Dataset):
-            return self._last
-        return _inputs_of(self.data[len(self.data) - 1])
+            yield [np.frombuffer(d, np.uint8) for d in self._hashes]
+            return
+        # The rows an array of the same rows would give: the same data as a
+        # PyDataset or as arrays is the same input. Batches are read in order,
+        # one kept at a time.
+        loaded = (None, None)
+        for begin in _sampled_rows(self.rows):
+            rows = []
+            for row in range(begin, min(begin + 2, self.rows)):
+                index = int(np.searchsorted(self._starts, row, side="right")) - 1
+                if loaded[0] != index:
+                    loaded = (index, _inputs_of(self.data[index]))
+                offset = row - int(self._starts[index])
+                rows.append(tree.map_structure(lambda a: np.asarray(a)[offset : offset + 1], loaded[1]))
+            yield tree.map_structure(lambda *parts: np.concatenate(parts), *rows)
+
+
+FINGERPRINT_SAMPLES = 16
+
+
+def _sampled_rows(rows: int) -> list[int]:
+    """First rows of the pairs that identify an input, spread from first to last.
+
+    Pairs of rows, not the whole input: reading it all would cost a pass over
+    data larger than memory. Rows, not batches: the same data batched
+    differently is the same input.
+    """
+    return sorted({int(i) for i in np.linspace(0, max(0, rows - 2), FINGERPRINT_SAMPLES)})
 
 
 def _inputs_of(batch):
-    if isinstance(batch, tuple) and 1 <= len(batch) <= 3:
+    # As Keras unpacks a batch: a tuple or list of 1 to 3 is (x, y, sample_weight).
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
         return batch[0]
     return batch
 
@@ -135,16 +208,16 @@ def make_source(data) -> Source:
     return ArraySource(data)
 
 
-def fingerprint(source: Source, sample) -> str:
-    """Identifies an input by its size and the bytes of its first and last two rows.
+def fingerprint(source: Source) -> str:
+    """Identifies an input by its size and rows spread over all of it.
 
-    `sample` is `source.sample()`, already read by the caller.
+    A pipeline (`tf.data`) is hashed whole, as it is read once anyway to
+    count its rows; arrays, HDF5 datasets and a PyDataset by 16 pairs of rows
+    spread from first to last, so an edit that misses every sampled row goes
+    unnoticed there.
     """
     digest = hashlib.sha256(str(source.rows).encode())
-    # Rows, not batches: the same data batched differently is the same input.
-    first = tree.map_structure(lambda a: np.asarray(a)[:2], sample)
-    last = tree.map_structure(lambda a: np.asarray(a)[-2:], source.last())
-    for part in (first, last):
+    for part in source.fingerprint_parts():
         for array in tree.flatten(part):
             array = np.ascontiguousarray(array)
             digest.update(f"{array.shape}{array.dtype}".encode())
@@ -154,8 +227,13 @@ def fingerprint(source: Source, sample) -> str:
 
 def model_fingerprint(model) -> str:
     """Identifies a model by its architecture and weights."""
-    digest = hashlib.sha256(model.to_json().encode())
+    try:
+        architecture = model.to_json()
+    except Exception:  # a subclassed model whose config cannot be serialised
+        architecture = f"{type(model).__module__}.{type(model).__qualname__}"
+    digest = hashlib.sha256(architecture.encode())
     for weight in model.weights:
+        digest.update(f"{weight.path}{tuple(weight.shape)}".encode())
         digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
     return digest.hexdigest()
 
@@ -167,6 +245,9 @@ def check_shapes(model, sample) -> None:
     expected = [tuple(t.shape[1:]) for t in inputs] if inputs else None
     if expected is None:
         return
+    names = [t.name for t in inputs]
+    if isinstance(sample, dict) and sorted(sample) == sorted(names):
+        sample = [sample[name] for name in names]  # as Keras matches a dict to the inputs
     got = [tuple(np.shape(a)[1:]) for a in tree.flatten(sample)]
     fits = len(got) == len(expected) and all(
         len(g) == len(e) and all(x is None or x == y for x, y in zip(e, g)) for g, e in zip(got, expected)

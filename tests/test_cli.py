@@ -106,6 +106,16 @@ def test_predict_errors_are_one_line_with_a_non_zero_exit(files, args, message):
     assert message in result.stderr
 
 
+def test_predict_refuses_to_write_into_its_input(files):
+    folder, _, x = files
+    result = _kerasmulti("predict", "m.keras", "x.h5", "--dataset", "images", "--output", "x.h5", cwd=folder)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "the file it reads its input from" in result.stderr and "Received: output='x.h5'" in result.stderr
+    with h5py.File(folder / "x.h5", "r") as f:
+        np.testing.assert_array_equal(f["images"][:], x)
+
+
 def test_predict_on_a_folder_without_images_and_a_non_image_model(files, tmp_path):
     folder, _, _ = files
     result = _kerasmulti("predict", str(folder / "m.keras"), str(tmp_path), "--output", str(tmp_path / "o.h5"))

@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 
@@ -95,7 +96,11 @@ def test_streams_into_hdf5_one_dataset_per_output(tmp_path):
 
 
 class _Crashing(keras.utils.PyDataset):
-    """Yields the rows of `x` in batches of 4, and dies at batch `crash_at`."""
+    """Yields the rows of `x` in batches of 4, and dies at batch `crash_at`.
+
+    `requested` lists the batches read to predict them (on parallel_predict's
+    reader thread), not those read before, to count rows and fingerprint.
+    """
 
     def __init__(self, x, crash_at=None):
         super().__init__()
@@ -105,9 +110,10 @@ class _Crashing(keras.utils.PyDataset):
         return -(-len(self.x) // 4)
 
     def __getitem__(self, i):
-        self.requested.append(i)
-        if i == self.crash_at:  # only the first and last batch are read before predicting
-            raise RuntimeError("the job died")
+        if threading.current_thread().name == "kerasmulti-reader":
+            self.requested.append(i)
+            if i == self.crash_at:
+                raise RuntimeError("the job died")
         return self.x[i * 4 : (i + 1) * 4]
 
 
@@ -121,8 +127,7 @@ def test_the_same_call_resumes_where_the_file_stopped(tmp_path):
     assert 0 < done < 30
     again = _Crashing(x)
     kerasmulti.parallel_predict(model, again, output=path, verbose=0)
-    predicted = [i for i in again.requested if i not in (0, len(again) - 1)]
-    assert min(predicted) >= done // 4  # it did not start over
+    assert min(again.requested) >= done // 4  # it did not start over
     features, score = model.predict(x, verbose=0)
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
@@ -303,9 +308,147 @@ def test_a_finished_file_is_left_as_it_is_and_batching_does_not_change_the_input
     kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)  # batches of 4, last of 2
     again = _Crashing(x)
     kerasmulti.parallel_predict(model, again, output=path, verbose=0)
-    assert [i for i in again.requested if i not in (0, len(again) - 1)] == []  # nothing left to read
+    assert again.requested == []  # nothing left to read
     # The same rows as one array are the same input: accepted, nothing redone.
     kerasmulti.parallel_predict(model, x, batch_size=3, output=path, verbose=0)
     features, _ = model.predict(x, verbose=0)
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
+
+
+def _uneven(x, sizes):
+    """A tf.data pipeline of the rows of `x` in batches of `sizes` (as bucketing gives)."""
+    starts = np.cumsum([0, *sizes])
+
+    def batches():
+        for begin, end in zip(starts[:-1], starts[1:]):
+            yield x[begin:end]
+
+    return tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, x.shape[1]), tf.float32))
+
+
+def test_uneven_tf_data_batches_resume_without_losing_rows(tmp_path):
+    model, x = _two_outputs(), _data(10)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, _uneven(x, [3, 5, 2]), output=path, verbose=0)
+    with h5py.File(path, "r+") as f:  # as a kill after the second batch leaves it
+        f["kerasmulti_rows_done"][()] = 8
+        f["features"][8:] = 0
+    kerasmulti.parallel_predict(model, _uneven(x, [3, 5, 2]), output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["features"][:], model.predict(x, verbose=0)[0], rtol=1e-5, atol=1e-6)
+        assert f["kerasmulti_rows_done"][()] == 10
+
+
+def test_batches_that_break_the_row_count_are_refused():
+    model, x = _two_outputs(), _data(10)
+
+    class Uneven(keras.utils.PyDataset):  # Keras wants every batch but the last full
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return x[[0, 3, 8][i] : [3, 8, 10][i]]
+
+    with pytest.raises(ValueError, match=r"PyDataset batch 1 has 5 rows.*expects 3.*Received: rows in batch 1=5"):
+        kerasmulti.parallel_predict(model, Uneven(), verbose=0)
+    reads = []  # a pipeline that batches differently when read again
+
+    def batches():
+        reads.append(1)
+        yield from _uneven(x, [3, 5, 2] if len(reads) == 1 else [5, 3, 2]).as_numpy_iterator()
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 has 5 rows now and had 3.*Received: rows in batch 0=5"):
+        kerasmulti.parallel_predict(model, dataset, verbose=0)
+
+
+def test_inputs_that_never_end_are_refused_at_once():
+    model, x = _two_outputs(), _data(8)
+    with pytest.raises(ValueError, match=r"never ends.*Received: data with infinite cardinality"):
+        kerasmulti.parallel_predict(model, tf.data.Dataset.from_tensor_slices(x).batch(4).repeat(), verbose=0)
+
+    class Endless(keras.utils.PyDataset):
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, i):
+            return x[:4]
+
+    with pytest.raises(ValueError, match=r"without a length.*Received: data.num_batches=None"):
+        kerasmulti.parallel_predict(model, Endless(), verbose=0)
+
+
+def test_an_input_changed_between_its_first_and_last_rows_is_refused(tmp_path):
+    model, x = _two_outputs(), _data(40)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, x, output=path, verbose=0)
+    changed = x.copy()
+    changed[17:23] += 1  # same size, same first and last rows
+    with pytest.raises(ValueError, match=r"different input.*Received: output="):
+        kerasmulti.parallel_predict(model, changed, output=path, verbose=0)
+
+
+def test_inputs_that_model_predict_accepts_are_accepted(tmp_path):
+    left, right = keras.Input((4,), name="left"), keras.Input((2,), name="right")
+    model = keras.Model([left, right], keras.layers.Dense(2)(keras.layers.concatenate([left, right])))
+    rng = np.random.default_rng()
+    by_name = {"right": rng.normal(size=(9, 2)).astype("float32"), "left": rng.normal(size=(9, 4)).astype("float32")}
+    _assert_same(model.predict(by_name, verbose=0), kerasmulti.parallel_predict(model, by_name, batch_size=4, verbose=0))
+
+    single, x = _two_outputs(), _data(9)
+
+    class Labelled(keras.utils.PyDataset):  # [x, y] lists, as Keras unpacks them
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return [x[i * 3 : (i + 1) * 3], np.zeros(3)]
+
+    _assert_same(single.predict(x, verbose=0), kerasmulti.parallel_predict(single, Labelled(), verbose=0))
+
+    class Scaled(keras.Model):  # its config cannot be serialised: fingerprinted without it
+        def __init__(self, scale):
+            super().__init__()
+            self.scale, self.dense = scale, keras.layers.Dense(2)
+
+        def call(self, inputs):
+            return self.dense(inputs) * self.scale
+
+    subclassed = Scaled(np.float32(2.0))
+    subclassed(x[:1])
+    path = str(tmp_path / "scaled.h5")
+    kerasmulti.parallel_predict(subclassed, x, output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["output_0"][:], subclassed.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_outputs_are_stored_as_float32(tmp_path):
+    model, x = _two_outputs(), _data(7)
+    path = str(tmp_path / "out.h5")
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        half = _two_outputs()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    half.set_weights(model.get_weights())
+    kerasmulti.parallel_predict(half, x, output=path, verbose=0)
+    expected = half.predict(x, verbose=0)[0]
+    assert expected.dtype.name == "bfloat16"
+    with h5py.File(path, "r") as f:
+        assert f["features"].dtype == np.float32
+        np.testing.assert_array_equal(f["features"][:], expected.astype("float32"))
+
+
+def test_the_input_file_is_refused_as_output(tmp_path):
+    model, x = _two_outputs(), _data(6)
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f["x"] = x
+    with h5py.File(tmp_path / "data.h5", "r") as f:
+        with pytest.raises(ValueError, match=r"the file it reads its input from.*Received: output="):
+            kerasmulti.parallel_predict(model, f["x"], output=str(tmp_path / "data.h5"), verbose=0)
+    np.save(tmp_path / "x.npy", x)
+    with pytest.raises(ValueError, match=r"the file it reads its input from"):
+        kerasmulti.parallel_predict(model, np.load(tmp_path / "x.npy", mmap_mode="r"), output=str(tmp_path / "x.npy"), verbose=0)
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), x)
