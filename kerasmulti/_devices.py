@@ -9,10 +9,12 @@ before any model, tensor or device query exists.
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from typing import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
@@ -37,9 +39,14 @@ class DeviceError(ValueError):
     """
 
 
+def _is_int(value) -> bool:
+    """True for ints, numpy's included; False for bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def is_positive_int(value) -> bool:
     """True for an int of at least 1; False for bools, floats and anything else."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return _is_int(value) and value >= 1
 
 
 def _canonical(name: str) -> str:
@@ -141,6 +148,8 @@ def _configure(n: int) -> None:
         )
     except RuntimeError as error:
         existing = len(tf.config.list_logical_devices("CPU"))
+        if existing == n:
+            return  # already as asked
         raise RuntimeError(
             f"simulate_devices({n}) came too late: TensorFlow has already "
             f"initialised {existing} CPU device(s) in this process, and they "
@@ -172,11 +181,14 @@ def _simulate_from_environment() -> None:
 
 def _check_count(caller: str, n: int, devices: list[str]) -> None:
     if n > len(devices):
+        # Simulated devices are CPUs, which are not offered beside GPUs.
+        simulate = "" if any("GPU" in d for d in devices) else (
+            f", or call kerasmulti.simulate_devices({n}) before TensorFlow starts "
+            "to try it on the CPU"
+        )
         raise DeviceError(
             f"{caller} was asked for {n} devices but this machine has "
-            f"{_describe(devices)}. Pass gpus={len(devices)}, or call "
-            f"kerasmulti.simulate_devices({n}) before TensorFlow starts to try "
-            f"it on the CPU. Received: gpus={n}"
+            f"{_describe(devices)}. Pass gpus={len(devices)}{simulate}. Received: gpus={n}"
         )
 
 
@@ -201,13 +213,14 @@ def resolve_devices(
         return _resolve_names(devices, caller)
     if gpus is None:
         return existing
-    if isinstance(gpus, bool) or not isinstance(gpus, (int, list, tuple)):
+    if not (_is_int(gpus) or isinstance(gpus, (list, tuple))):
         raise DeviceError(
             f"{caller} expects gpus to be a positive int (how many devices), a "
             "list of device ids such as [0, 1], or None for all "
             f"{_describe(existing)} available devices. Received: gpus={gpus!r}"
         )
-    if isinstance(gpus, int):
+    if _is_int(gpus):
+        gpus = int(gpus)
         if gpus < 1:
             raise DeviceError(
                 f"{caller} needs at least one device; gpus must be 1 or more "
@@ -216,7 +229,7 @@ def resolve_devices(
         _check_count(caller, gpus, existing)
         return existing[:gpus]
     ids = list(gpus)
-    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    if not ids or not all(_is_int(i) for i in ids):
         raise DeviceError(
             f"{caller} expects gpus as a non-empty list of int device ids, "
             f"e.g. [0, 1]; this machine has {_describe(existing)}. "
@@ -234,7 +247,7 @@ def resolve_devices(
             f"this machine has {_describe(existing)}, ids 0 to "
             f"{len(existing) - 1}. Received: gpus={gpus!r}"
         )
-    return [existing[i] for i in ids]
+    return [existing[int(i)] for i in ids]
 
 
 def _known_name(name, known: list[str], caller: str, received: str) -> str:

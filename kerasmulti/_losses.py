@@ -41,19 +41,17 @@ class _Part:
         self.share, self.valid, self.rows, self.total = share, valid, rows, total
 
 
-def _elements(values, rows):
-    """How many loss values there are, without waiting for them if possible.
+def _elements(values):
+    """How many loss values there are, as Keras counts them for the mean.
 
-    Summed over replicas, a count read from `values` would make every
-    replica's backward pass wait for every replica's forward pass; the rows
-    of the sub-batch (known from the input) and a static shape do not. This
-    relies on Keras' contract that loss values keep the batch on axis 0.
+    From the static shape where it is fully known, else read from `values`.
+    Not from the sub-batch's rows: a loss may flatten its values (a token
+    loss over `reshape(y, (-1,))`), and its batch axis then holds rows times
+    tokens.
     """
     shape = tuple(values.shape)
-    if None not in shape[1:]:
-        per_row = int(np.prod(shape[1:], dtype=np.int64))
-        rows = shape[0] if shape[0] is not None else rows
-        return ops.cast(rows, values.dtype) * per_row
+    if None not in shape:
+        return ops.cast(int(np.prod(shape, dtype=np.int64)), values.dtype)
     return ops.cast(ops.size(values), values.dtype)
 
 
@@ -87,8 +85,9 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
             rows = ops.cast(part.rows, values.dtype) * valid
             return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows)))
         warnings.warn(
-            "A loss function returned a scalar, and sample_weight or class_weight "
-            "is set: Keras multiplies the scalar by the mean weight, which "
+            "A loss function returned a scalar, and "
+            + ("sample_weight or class_weight is set" if sample_weight is not None else "the outputs carry a mask")
+            + ": Keras multiplies the scalar by the mean weight, which "
             "parallelize() can only approximate from each replica's rows. Return "
             "one loss per sample (do not average over the batch) to split it exactly.",
             stacklevel=2,
@@ -97,7 +96,7 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
         values, weights = loss_module.squeeze_or_expand_to_same_rank(values, ops.cast(weights, values.dtype))
         values = values * weights
     total = ops.sum(values) * valid
-    elements = _elements(values, part.rows)
+    elements = _elements(values)
     if reduction == "mean_with_sample_weight" and weights is not None:
         count = ops.sum(weights)
     elif mask is not None:
@@ -120,6 +119,23 @@ def additional_part(loss):
         return loss
     # Under a tf.distribute strategy Keras has divided it by the replica count.
     return loss_module.unscale_loss_for_distribution(loss) * ops.cast(part.share, loss.dtype)
+
+
+@contextlib.contextmanager
+def added_losses_scaled(model, share):
+    """Inside: losses that `model`'s layers add are scaled by the replica's share.
+
+    For a plain call of the parallel model (its train and test steps weight
+    them in `additional_part`): a layer adds the mean over the rows it sees,
+    so the shares make their sum over replicas the whole batch's mean.
+    """
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    before = [len(layer._losses) for layer in layers]
+    yield
+    for layer, start in zip(layers, before):
+        added = layer._losses[start:]
+        for k, loss in enumerate(added, start):
+            layer._losses[k] = loss * ops.cast(share, loss.dtype)
 
 
 @contextlib.contextmanager

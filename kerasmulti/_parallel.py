@@ -26,6 +26,7 @@ import tensorflow as tf
 from keras.src import backend
 from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
+from tensorflow.python.eager import record
 
 from kerasmulti import _losses, _replicas, _split
 
@@ -53,6 +54,7 @@ class ParallelModel(keras.Model):
         self._replica_devices = list(devices)
         self._merge_device = merge_device
         self._batchnorm = _replicas.batchnorm_layers(template)
+        _warn_overrides(template, ("predict_step",))
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -74,25 +76,18 @@ class ParallelModel(keras.Model):
                 "devices. Leave jit_compile='auto' (off here) or pass False. "
                 "Received: jit_compile=True"
             )
+        _check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
         super().compile(*args, jit_compile=jit_compile, **kwargs)
-        overridden = [
-            name for name in ("train_step", "test_step", "compute_loss")
-            if getattr(type(self._template), name) is not getattr(keras.Model, name)
-        ]
-        if overridden:
-            warnings.warn(
-                f"The template model '{self._template.name}' overrides "
-                f"{', '.join(overridden)}, which the parallel model does not run: it "
-                "runs its own step on every replica, with the loss and metrics given "
-                "to compile() and the losses layers add. Put a custom loss in "
-                "compile(loss=...) or add_loss(), or train on one device. "
-                f"Received: overrides={overridden}",
-                stacklevel=2,
-            )
+        _warn_overrides(self._template, ("train_step", "test_step", "compute_loss", "compute_metrics"))
         # The template is compiled alike, sharing the optimizer: files saved
         # from either hold the training state, and a backup's layout is the
         # same in every process (it does not depend on whether a save ran).
-        self._template.compile(**dict(self._compile_config.config, optimizer=self.optimizer))
+        # Keras' compile config leaves auto_scale_loss out; without it the
+        # template would wrap the shared optimizer in a LossScaleOptimizer.
+        auto_scale_loss = kwargs.get("auto_scale_loss", True)
+        self._template.compile(
+            **dict(self._compile_config.config, optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
+        )
 
     def _resolve_auto_jit_compile(self):
         if len(self._replica_devices) > 1:
@@ -113,12 +108,26 @@ class ParallelModel(keras.Model):
             )[0]
 
         pieces = self._slice(inputs, shards)
+        shares = _split.weights(shards, batch)
 
         def replica(i):
             _replicas.set_valid(shards[i].size)
-            return self._template(pieces[i], training=training)
+            # Losses its layers add (regularisers, add_loss) count by its rows.
+            with _losses.added_losses_scaled(self._template, shares[i]):
+                return self._template(pieces[i], training=training)
 
         synchronized = bool(training) and bool(self._batchnorm)
+        if synchronized and record.could_possibly_record():
+            raise RuntimeError(
+                "parallelize() cannot train this model under your own GradientTape: "
+                "it has BatchNormalization, whose replicas share the batch's "
+                "statistics on threads of their own, which a tape does not record, "
+                "so every gradient would be None. Train the parallel model with fit() "
+                "or train_on_batch() (they take each replica's gradients), or run a "
+                "custom loop on the template model (kerasmulti.unwrap(parallel)). "
+                f"Received: training=True with {len(self._batchnorm)} "
+                "BatchNormalization layer(s) while a GradientTape records"
+            )
         with self._synchronized(synchronized):
             outputs = _replicas.run(
                 self._devices_for(shards), replica, synchronized, self.variables
@@ -185,7 +194,7 @@ class ParallelModel(keras.Model):
                 self._devices_for(shards), replica, True, self.variables
             )
             with tf.device(self._merge_device):
-                flush(batch)
+                flush(batch, shards)
                 y_pred = _split.merge([r[0] for r in results], shards)
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.
@@ -266,6 +275,46 @@ class ParallelModel(keras.Model):
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+def _check_reductions(loss) -> None:
+    """Refuses per-output losses that mix reduction=None with reduced ones.
+
+    Keras adds a reduced loss (a scalar) to per-row losses by broadcasting;
+    each replica holds only its part of the scalar, so merging the per-row
+    sums would be wrong.
+    """
+    if not isinstance(loss, (dict, list, tuple)):
+        return
+    reductions = {
+        str(getattr(leaf, "reduction", "sum_over_batch_size")).replace("none", "None")
+        for leaf in keras.tree.flatten(loss)
+        if leaf is not None
+    }
+    if "None" in reductions and len(reductions) > 1:
+        raise ValueError(
+            "parallelize() cannot mix a loss with reduction=None (one loss per row) "
+            "and reduced losses on other outputs: Keras adds the reduced ones to every "
+            "row, and each replica holds only its part of them. Give every output's "
+            "loss the same kind of reduction (all None, or none None). "
+            f"Received: loss reductions {sorted(reductions)}"
+        )
+
+
+def _warn_overrides(template: keras.Model, names) -> None:
+    """Warns that the parallel model runs Keras' own steps, not the template's."""
+    overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
+    if overridden:
+        warnings.warn(
+            f"The template model '{template.name}' overrides "
+            f"{', '.join(overridden)}, which the parallel model does not run: it "
+            "runs Keras' own steps on every replica, with the loss and metrics given "
+            "to compile() and the losses layers add. Put a custom loss in "
+            "compile(loss=...) or add_loss(), post-process predictions after "
+            "predict(), or train on one device. "
+            f"Received: overrides={overridden}",
+            stacklevel=3,
+        )
 
 
 def unwrap(model: keras.Model) -> keras.Model:

@@ -61,10 +61,14 @@ def parallelize(
     saves `model`. Results equal those of `model` on one device, including
     `sample_weight`, `class_weight`, stateful metrics, BatchNormalization
     statistics (synchronised across replicas), every Keras loss reduction,
-    masked losses and the losses layers add. (A loss function that returns
-    an already averaged scalar is exact without sample weights and
-    approximate with them, with a warning.) The model's own `train_step` or
-    `compute_loss`, if it overrides them, is not run (a warning says so).
+    masked losses and the losses layers add (as means over rows, which is
+    what Keras' regularisers add). (A loss function that returns an already
+    averaged scalar is exact without sample weights and approximate with
+    them, with a warning.) The model's own `train_step`, `test_step`,
+    `predict_step`, `compute_loss` or `compute_metrics`, if it overrides
+    them, is not run (a warning says so). With BatchNormalization, train
+    with `fit` or `train_on_batch`: under your own `GradientTape`, a call
+    with `training=True` raises, since its replicas run on threads.
     With one device it is a pass-through, so code written for N GPUs runs on
     a laptop.
 

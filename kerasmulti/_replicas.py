@@ -258,8 +258,14 @@ class _PerReplicaLosses:
     def clear(self):
         self._mine().clear()
 
+    def all(self) -> list:
+        return [loss for replica in sorted(self._lists) for loss in self._lists[replica]]
+
     def __getitem__(self, index):
         return self._mine()[index]
+
+    def __setitem__(self, index, loss):
+        self._mine()[index] = loss
 
     def __iter__(self):
         return iter(self._mine())
@@ -287,6 +293,8 @@ def synchronized(model, bn_layers: list):
         for layer in bn_layers:
             del layer.call
         for layer, losses in zip(layers, saved):
+            # The replicas' losses, in replica order, as a plain call leaves them.
+            losses.extend(layer.__dict__["_losses"].all())
             layer.__dict__["_losses"] = losses
 
 

@@ -65,7 +65,7 @@ def batch_size(structure, what: str = "inputs"):
         )
     if static and None not in dims:
         return static.pop()
-    sizes = [tf.shape(t)[0] for t in flat]
+    sizes = [tf.cast(t.dense_shape[0], tf.int32) if isinstance(t, tf.SparseTensor) else tf.shape(t)[0] for t in flat]
     for other in sizes[1:]:
         tf.debugging.assert_equal(
             sizes[0],
@@ -106,6 +106,10 @@ def take(structure, shard: Shard):
     def rows(t):
         if t is None:
             return None
+        if isinstance(t, tf.SparseTensor):  # not sliceable with []
+            start = tf.concat([[tf.cast(shard.begin, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
+            size = tf.concat([[tf.cast(shard.take, tf.int64)], t.dense_shape[1:]], 0)
+            return tf.sparse.slice(t, start, size)
         piece = t[shard.begin : shard.begin + shard.take]
         mask = get_keras_mask(t)
         if mask is not None:
@@ -163,7 +167,7 @@ def deferred_loss_metrics(model):
     called per shard it would average the shards' values unweighted. Inside
     this context the updates are collected per replica (each is the replica's
     part of the batch's loss, see `_losses`) and `flush(batch)` applies their
-    sum once, as one device would.
+    sum once (per-row values: merged), as one device would.
     """
     compile_loss = getattr(model, "_compile_loss", None)
     metrics = list(getattr(compile_loss, "metrics", None) or [])
@@ -180,14 +184,18 @@ def deferred_loss_metrics(model):
     for metric in metrics:
         metric.update_state = recorder(metric)
 
-    def flush(batch):
+    def flush(batch, shards):
         for metric in metrics:
             values = recorded[id(metric)]
             if not values:
                 continue
-            combined = tf.add_n([tf.cast(v, tf.float32) for v in values.values()])
+            parts = [tf.cast(values[i], tf.float32) for i in sorted(values)]
+            if parts[0].shape.rank:
+                # reduction=None: a loss per row, merged like outputs.
+                type(metric).update_state(metric, merge(parts, shards))
+                continue
             type(metric).update_state(
-                metric, combined, sample_weight=batch if isinstance(batch, int) else None
+                metric, tf.add_n(parts), sample_weight=batch if isinstance(batch, int) else None
             )
 
     try:

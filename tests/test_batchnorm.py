@@ -153,3 +153,37 @@ def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
 
     with pytest.raises(RuntimeError, match=r"did not reach the point where the others waited for it within 0.3 s.*Received: timeout=0.3 s"):
         _replicas.run(["/cpu:0", "/cpu:1"], replica, synchronized=True)
+
+
+def _regularised(batch_norm):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((3,)), keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2(1.0))]
+    return keras.Sequential(layers + [keras.layers.BatchNormalization()] * batch_norm + [keras.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_a_plain_call_leaves_the_losses_one_device_adds(batch_norm):
+    x = np.random.default_rng().random((7, 3)).astype("float32")
+    reference, template = _regularised(batch_norm), _regularised(batch_norm)
+    expected = reference(x, training=True)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    np.testing.assert_allclose(np.asarray(parallel(x, training=True)), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    assert len(parallel.losses) == DEVICES  # one per replica, weighted by its rows
+    np.testing.assert_allclose(float(sum(parallel.losses)), float(sum(reference.losses)), rtol=1e-5)
+
+
+def test_a_custom_training_loop_gets_one_device_gradients_or_a_clear_error():
+    x = np.random.default_rng().random((7, 3)).astype("float32")
+    reference, template = _regularised(False), _regularised(False)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    gradients = []
+    for model in (reference, parallel):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x, training=True) ** 2) + sum(model.losses)
+        gradients.append(tape.gradient(loss, model.trainable_weights))
+    for a, b in zip(*gradients):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    # With BatchNormalization the replicas run on threads the tape cannot see.
+    parallel = kerasmulti.parallelize(_regularised(True), gpus=DEVICES)
+    with tf.GradientTape(), pytest.raises(RuntimeError, match=r"under your own GradientTape.*fit\(\).*unwrap.*Received: training=True with 1 BatchNormalization"):
+        parallel(x, training=True)

@@ -7,6 +7,7 @@ devices) cover idle replicas, uneven shards and the retraced last batch.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kerasmulti
 from cases import CASES, assert_same_logs, assert_same_weights
@@ -82,6 +83,24 @@ def test_class_weight_is_honoured():
     reference, template, parallel, x, y = _compiled_pair(CASES[0])
     class_weight = {0: 0.3, 1: 2.0}
     fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, class_weight=class_weight)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+
+
+def test_sparse_inputs_are_split_like_dense_ones():
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+
+    rng = np.random.default_rng()
+    x = tf.sparse.from_dense(np.where(rng.random((11, 6)) > 0.6, rng.normal(size=(11, 6)), 0).astype("float32"))
+    y = rng.normal(size=(11, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    np.testing.assert_allclose(parallel.predict(x, batch_size=5, verbose=0), reference.predict(x, batch_size=5, verbose=0), rtol=1e-5, atol=1e-6)
+    fit = dict(batch_size=5, epochs=2, shuffle=False, verbose=0)
     assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
     assert_same_weights(reference, template)
 

@@ -26,6 +26,13 @@ def test_simulate_devices_again_with_same_count_is_harmless():
     assert kerasmulti.simulate_devices(DEVICES) == CPUS
 
 
+def test_simulate_devices_after_start_with_the_same_count_is_harmless():
+    code = "import tensorflow as tf; tf.constant(1); import kerasmulti; print(kerasmulti.simulate_devices(1))"
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "['/device:CPU:0']"
+
+
 def test_simulate_devices_after_start_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"came too late.*KERASMULTI_SIMULATE_DEVICES=5.*Received: n=5"):
         kerasmulti.simulate_devices(5)
@@ -60,6 +67,20 @@ def test_bad_environment_variable_is_refused():
 )
 def test_gpus_selects_devices(gpus, expected):
     assert kerasmulti.parallelize(_model(), gpus=gpus).replica_devices == expected
+
+
+def test_numpy_ints_select_devices_like_ints():
+    assert kerasmulti.parallelize(_model(), gpus=np.int64(2)).replica_devices == CPUS[:2]
+    assert kerasmulti.parallelize(_model(), gpus=[np.int32(1)]).replica_devices == [CPUS[1]]
+
+
+def test_too_many_gpus_on_a_gpu_machine_does_not_suggest_simulated_cpus(monkeypatch):
+    from kerasmulti import _devices
+
+    monkeypatch.setattr(_devices, "available_devices", lambda: ["/device:GPU:0", "/device:GPU:1"])
+    with pytest.raises(kerasmulti.DeviceError, match=r"asked for 4 devices but this machine has 2.*Pass gpus=2\. Received: gpus=4") as error:
+        _devices.resolve_devices(gpus=4)
+    assert "simulate_devices" not in str(error.value)
 
 
 def test_devices_takes_tensorflow_names():

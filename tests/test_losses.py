@@ -45,6 +45,17 @@ def _two_heads(seed):
     return keras.Model(tokens, {"tags": tags, "score": score})
 
 
+def _two_dense(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(2, name="b")(inputs)})
+
+
+def _two_rows(rng):
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    return x, {"a": rng.normal(size=(SAMPLES, 1)).astype("float32"), "b": rng.normal(size=(SAMPLES, 2)).astype("float32")}
+
+
 def _rows(rng):
     return rng.normal(size=(SAMPLES, 4)).astype("float32"), rng.normal(size=(SAMPLES, 1)).astype("float32")
 
@@ -67,6 +78,11 @@ def _mse(reduction):
 
 def _mean_of_squares(y_true, y_pred):
     return keras.ops.mean(keras.ops.square(y_true - y_pred))  # already a scalar
+
+
+def _token_loss(y_true, y_pred):
+    # Flattens rows and steps into one axis, as sequence losses often do.
+    return keras.losses.mean_squared_error(keras.ops.reshape(y_true, (-1, 2)), keras.ops.reshape(y_pred, (-1, 2)))
 
 
 def _row_weights(rng):
@@ -134,11 +150,14 @@ def _endpoint_rows(rng):
 # name, model, data, loss (a factory: each model gets its own), sample weights
 CASES = [
     ("none", _dense, _rows, _mse(None), None),
+    ("none_heads", _two_dense, _two_rows,
+     lambda: {"a": keras.losses.MeanSquaredError(reduction=None), "b": keras.losses.MeanAbsoluteError(reduction=None)}, None),
     ("endpoint_layer", _endpoint, _endpoint_rows, lambda: None, None),
     ("added_losses", _regularised, _rows, lambda: "mse", None),
     ("sum", _dense, _rows, _mse("sum"), None),
     ("mean_with_sample_weight", _dense, _rows, _mse("mean_with_sample_weight"), _row_weights),
     ("scalar_function", _dense, _rows, lambda: _mean_of_squares, None),
+    ("flattened_function", lambda seed: _tagger(seed, mask_zero=False), _padded, lambda: _token_loss, None),
     ("masked", _tagger, _padded, lambda: "mse", None),
     ("masked_sample_weight", _tagger, _padded, lambda: "mse", _step_weights),
     ("masked_mean_with_sample_weight", _tagger, _padded, _mse("mean_with_sample_weight"), _step_weights),
@@ -165,6 +184,12 @@ def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, bat
     assert_same_logs(reference.evaluate(x, y, **evaluate), parallel.evaluate(x, y, **evaluate))
 
 
+def test_reduction_none_mixed_with_reduced_losses_is_refused():
+    parallel = kerasmulti.parallelize(_two_dense(5), gpus=DEVICES)
+    with pytest.raises(ValueError, match=r"cannot mix a loss with reduction=None.*Received: loss reductions \['None', 'sum_over_batch_size'\]"):
+        parallel.compile(optimizer="sgd", loss={"a": keras.losses.MeanSquaredError(reduction="none"), "b": "mse"})
+
+
 def test_a_scalar_loss_with_sample_weights_is_warned_about():
     # Keras multiplies an already averaged loss by the mean weight: each
     # replica's mean weight is all a replica has.
@@ -173,6 +198,14 @@ def test_a_scalar_loss_with_sample_weights_is_warned_about():
     x, y = _rows(np.random.default_rng())
     with pytest.warns(UserWarning, match="returned a scalar, and sample_weight or class_weight is set.*one loss per sample"):
         parallel.fit(x, y, sample_weight=np.linspace(0.5, 2.0, SAMPLES), batch_size=4, verbose=0)
+
+
+def test_a_scalar_loss_on_masked_outputs_is_warned_about_as_such():
+    parallel = kerasmulti.parallelize(_tagger(5), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss=_mean_of_squares)
+    x, y = _padded(np.random.default_rng())
+    with pytest.warns(UserWarning, match="returned a scalar, and the outputs carry a mask.*one loss per sample"):
+        parallel.fit(x, y, batch_size=4, verbose=0)
 
 
 def test_incoming_masks_reach_every_replica():
@@ -210,3 +243,26 @@ def test_a_template_with_its_own_loss_step_is_warned_about():
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)
     with pytest.warns(UserWarning, match=r"overrides compute_loss, which the parallel model does not run.*Received: overrides=\['compute_loss'\]"):
         parallel.compile(optimizer="sgd", loss="mse")
+
+
+def test_a_template_with_its_own_predict_step_is_warned_about_when_wrapped():
+    class Labels(keras.Model):
+        def predict_step(self, data):
+            return keras.ops.argmax(self(data, training=False), axis=-1)
+
+    inputs = keras.Input((4,))
+    template = Labels(inputs, keras.layers.Dense(3)(inputs))
+    with pytest.warns(UserWarning, match=r"overrides predict_step, which the parallel model does not run.*Received: overrides=\['predict_step'\]"):
+        kerasmulti.parallelize(template, gpus=DEVICES)
+
+
+def test_auto_scale_loss_reaches_the_template_so_they_share_one_optimizer():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        template = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, dtype="float32")])
+        parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+        parallel.compile(optimizer="sgd", loss="mse", auto_scale_loss=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert template.optimizer is parallel.optimizer
+    assert type(template.optimizer).__name__ == "SGD"
