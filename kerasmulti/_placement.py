@@ -37,6 +37,7 @@ from kerasmulti._devices import _canonical, known_devices, resolve_device
 _local = threading.local()
 _warned: set[str] = set()
 _original_call = keras.layers.Layer.__call__
+_original_sequential_build = keras.Sequential.build
 _installed = 0
 _install_lock = threading.Lock()
 
@@ -67,6 +68,22 @@ def _scoped_call(self, *args, **kwargs):
     if stack and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs):
         return OnDevice(self, stack[-1], _validated=True)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
+
+
+def _scoped_sequential_build(self, input_shape=None):
+    """A Sequential built inside a scope places its layers, in its own layer list.
+
+    Placed only in the graph it builds, they would run placed but be saved,
+    summarised and cloned without their placement.
+    """
+    stack = _stack()
+    if stack:
+        self._layers = [
+            layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else OnDevice(layer, stack[-1], _validated=True)
+            for layer in self._layers
+        ]
+    with _suspended():
+        return _original_sequential_build(self, input_shape)
 
 
 @keras.saving.register_keras_serializable(package="kerasmulti")
@@ -251,8 +268,9 @@ def device_scope(device: str):
     `with` block becomes an `OnDevice` layer, so the model runs that call on
     `device` whenever it runs (fit, evaluate, predict, a plain call, inside
     `tf.function`). A layer called under two scopes keeps one set of weights
-    and runs each call on its own scope's device. Scopes nest; the innermost
-    wins. Device names are checked like `parallelize`'s.
+    and runs each call on its own scope's device. A `Sequential` model built
+    inside the block places its layers in its own layer list. Scopes nest;
+    the innermost wins. Device names are checked like `parallelize`'s.
 
     Args:
         device: A TensorFlow device name, such as `"/gpu:1"` (or a simulated
@@ -280,6 +298,7 @@ def device_scope(device: str):
     with _install_lock:
         if _installed == 0:
             keras.layers.Layer.__call__ = _scoped_call
+            keras.Sequential.build = _scoped_sequential_build
         _installed += 1
     _stack().append(name)
     try:
@@ -290,6 +309,7 @@ def device_scope(device: str):
             _installed -= 1
             if _installed == 0:
                 keras.layers.Layer.__call__ = _original_call
+                keras.Sequential.build = _original_sequential_build
 
 
 def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
@@ -332,13 +352,16 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
 
     Args:
         model: A model holding `OnDevice` layers (from `device_scope` or
-            `on_device`), for instance one loaded with `keras.models.load_model`.
+            `on_device`), for instance one loaded with `keras.models.load_model`,
+            or a model from `parallelize` around one.
         mapping: Old device name to new one, e.g. `{"/gpu:1": "/gpu:0"}`. The
             new names are checked like `parallelize`'s.
 
     Only the computation moves: weights stay where they were created. The
-    model's compiled fit/evaluate/predict steps are dropped, so the next call
-    traces them again with the new devices.
+    model's compiled fit/evaluate/predict steps (and `parallel_predict`'s)
+    are dropped, so the next call traces them again with the new devices. A
+    model from `parallelize` keeps its own steps: pass it here instead of its
+    template (its template's layers move with it).
 
     Returns:
         The same model, for chaining.
@@ -358,9 +381,12 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if isinstance(layer, OnDevice) and layer.device in moves:
             layer.device = moves[layer.device]
-    # fit/evaluate/predict keep their traced steps, with the old devices in them.
+    # Traced steps keep the old devices: fit/evaluate/predict's, and
+    # parallel_predict's (kept with the model, or with a parallel model).
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+    model.__dict__.pop("__kerasmulti_parallel_models", None)
+    model.__dict__.pop("_kerasmulti_predict", None)
     return model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import keras
+from keras.src.ops.function import make_node_key
 
 from kerasmulti._placement import OnDevice
 
@@ -59,6 +60,62 @@ def _device_of(layer) -> str | None:
     return layer.device if isinstance(layer, OnDevice) else None
 
 
+def _source_device(tensor) -> str | None:
+    """The device that makes `tensor`: inside a sub-model that is not wrapped, its layer's."""
+    operation, _, index = tensor._keras_history
+    while isinstance(operation, keras.Model) and _own_nodes(operation) is not None:
+        tensor = keras.tree.flatten(operation.outputs)[index]
+        operation, _, index = tensor._keras_history
+    return _device_of(operation)
+
+
+def _own_nodes(model) -> set | None:
+    """Keys of the nodes that belong to `model`'s graph (a layer may be in others too)."""
+    graph = getattr(model, "_functional", None) or model  # a Sequential builds one
+    return getattr(graph, "_nodes", None)
+
+
+def _describe(model, prefix: str, rows: list, crossings: list, owners: dict) -> None:
+    """Adds a row per layer of `model`, and its crossings; sub-models are opened.
+
+    A sub-model that is not wrapped as a whole is listed layer by layer
+    (`tower/dense`), since placement may sit inside it; a wrapped one is one
+    row, on its wrapper's device.
+    """
+    nodes = _own_nodes(model)
+    for layer in model.layers:
+        if isinstance(layer, keras.Model) and _own_nodes(layer) is not None:
+            _describe(layer, f"{prefix}{layer.name}/", rows, crossings, owners)
+            continue
+        inner = layer.layer if isinstance(layer, OnDevice) else layer
+        name = prefix + layer.name
+        # A layer shared by several wrappers counts its weights once.
+        owner = owners.setdefault(id(inner), name)
+        rows.append(
+            {
+                "layer": name,
+                "type": type(inner).__name__,
+                "device": _device_of(layer),
+                "params": int(sum(math.prod(w.shape) for w in layer.weights)) if owner == name else 0,
+                "shares_weights_with": None if owner == name else owner,
+            }
+        )
+        for index, node in enumerate(getattr(layer, "_inbound_nodes", [])):
+            if nodes is not None and make_node_key(layer, index) not in nodes:
+                continue  # the layer called in another model
+            for tensor in node.input_tensors:
+                source = tensor._keras_history.operation
+                if _source_device(tensor) != _device_of(layer):
+                    crossings.append(
+                        {
+                            "tensor": prefix + source.name,
+                            "from": _source_device(tensor),
+                            "to": _device_of(layer),
+                            "shape": tuple(tensor.shape),
+                        }
+                    )
+
+
 def placement_summary(model: keras.Model) -> PlacementSummary:
     """Tabulates the device of each layer and the tensors that cross devices.
 
@@ -90,31 +147,7 @@ def placement_summary(model: keras.Model) -> PlacementSummary:
             "placement_summary() describes a keras.Model. "
             f"Received: model={type(model).__name__}"
         )
-    rows, crossings, owners = [], [], {}
-    for layer in model.layers:
-        inner = layer.layer if isinstance(layer, OnDevice) else layer
-        # A layer shared by several wrappers counts its weights once.
-        owner = owners.setdefault(id(inner), layer.name)
-        rows.append(
-            {
-                "layer": layer.name,
-                "type": type(inner).__name__,
-                "device": _device_of(layer),
-                "params": int(sum(math.prod(w.shape) for w in layer.weights)) if owner == layer.name else 0,
-                "shares_weights_with": None if owner == layer.name else owner,
-            }
-        )
-        for node in getattr(layer, "_inbound_nodes", []):
-            for tensor in node.input_tensors:
-                source = tensor._keras_history.operation
-                if _device_of(source) != _device_of(layer):
-                    crossings.append(
-                        {
-                            "tensor": source.name,
-                            "from": _device_of(source),
-                            "to": _device_of(layer),
-                            "shape": tuple(tensor.shape),
-                        }
-                    )
+    rows, crossings = [], []
+    _describe(model, "", rows, crossings, {})
     return PlacementSummary(rows, crossings)
 

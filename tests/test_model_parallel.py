@@ -226,6 +226,63 @@ def test_placement_summary_lists_devices_params_and_crossings():
     assert "tower_a_on_cpu1" in text and "/device:CPU:2" in text and "tensors crossing devices" in text
 
 
+def test_placement_summary_opens_sub_models_and_skips_other_models_uses():
+    def tower(name, device):
+        inputs = keras.Input((4,))
+        with kerasmulti.device_scope(device):
+            outputs = keras.layers.Dense(3)(inputs)
+        return keras.Model(inputs, outputs, name=name)
+
+    inputs = keras.Input((4,))
+    towers = [tower("tower_a", "/cpu:1"), tower("tower_b", "/cpu:2")]
+    model = keras.Model(inputs, keras.layers.Concatenate(name="cat")([t(inputs) for t in towers]))
+    summary = kerasmulti.placement_summary(model)
+    placed = {row["layer"].split("/")[0]: row["device"] for row in summary.rows if row["type"] == "Dense"}
+    assert placed == {"tower_a": "/device:CPU:1", "tower_b": "/device:CPU:2"}
+    assert sum(row["params"] for row in summary.rows) == model.count_params()
+    crossings = {(c["tensor"], c["from"], c["to"]) for c in summary.crossings}
+    assert {("tower_a", "/device:CPU:1", None), ("tower_b", "/device:CPU:2", None)} <= crossings
+    # The placed Dense of tower_a, called again in another model, is not tower_a's.
+    other = keras.Input((4,))
+    keras.Model(other, towers[0].layers[1](keras.layers.Dense(4, name="pre")(other)))
+    assert not any("pre" in c["tensor"] for c in kerasmulti.placement_summary(towers[0]).crossings)
+
+
+def test_a_sequential_built_in_a_scope_keeps_its_placement_when_saved(tmp_path):
+    with kerasmulti.device_scope("/cpu:1"):
+        tower = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    assert [row["device"] for row in kerasmulti.placement_summary(tower).rows] == ["/device:CPU:1"] * 2
+    path = str(tmp_path / "tower.keras")
+    tower.save(path)
+    loaded = keras.models.load_model(path)
+    spec = tf.TensorSpec((None, 4))
+    assert _op_devices(lambda x: loaded(x), (spec,), {"MatMul"}) == {"/device:CPU:1"}
+    x = RNG.normal(size=(5, 4)).astype("float32")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), tower.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_remap_devices_retraces_parallel_predict():
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, kerasmulti.on_device(keras.layers.Dense(3), "/cpu:1")(inputs))
+    x = RNG.normal(size=(8, 4)).astype("float32")
+    kerasmulti.parallel_predict(model, x, gpus=1, verbose=0)
+    kerasmulti.remap_devices(model, {"/cpu:1": "/cpu:2"})
+    np.testing.assert_allclose(kerasmulti.parallel_predict(model, x, gpus=1, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    (parallel, _), = model.__dict__["__kerasmulti_parallel_models"].values()
+    traced = {
+        op.device
+        for function in parallel._kerasmulti_predict._list_all_concrete_functions()
+        for op in function.graph.get_operations()
+        if op.type == "MatMul"
+    }
+    assert traced == {"/device:CPU:2"}
+    wrapped = kerasmulti.parallelize(model, gpus=1)
+    wrapped.predict(x, verbose=0)
+    kerasmulti.remap_devices(wrapped, {"/cpu:2": "/cpu:1"})
+    assert wrapped.predict_function is None
+    assert _op_devices(lambda x: wrapped(x), (tf.TensorSpec((None, 4)),), {"MatMul"}) == {"/device:CPU:1"}
+
+
 def test_device_names_are_checked_like_parallelize():
     with pytest.raises(kerasmulti.DeviceError, match=r"does not exist.*Known devices: /device:CPU:0.*Received: device='/gpu:5'"):
         with kerasmulti.device_scope("/gpu:5"):
