@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import uuid
 
 _MARK = ".kerasmulti-tmp-"
@@ -27,7 +28,8 @@ def _suffix(path: str) -> str:
 def temporary_path(target: str) -> str:
     folder, name = os.path.split(os.path.abspath(target))
     suffix = _suffix(name)
-    return os.path.join(folder, f".{name}{_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}")
+    # The writer's pid and host: a folder may be shared by several machines.
+    return os.path.join(folder, f".{name}{_MARK}{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}{suffix}")
 
 
 def _fsync(path: str) -> None:
@@ -69,15 +71,15 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(target: str) -> list[str]:
-    """Deletes temporaries of `target` left by processes that no longer run."""
+    """Deletes temporaries of `target` left by processes of this host that no longer run."""
     folder = os.path.dirname(os.path.abspath(target))
     removed = []
     for path in glob.glob(os.path.join(glob.escape(folder), f".*{_MARK}*")):
-        try:
-            pid = int(os.path.basename(path).split(_MARK, 1)[1].split("-", 1)[0])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
+        writer = os.path.basename(path).split(_MARK, 1)[1].rsplit("-", 1)[0]
+        pid, _, host = writer.partition("@")
+        if host != socket.gethostname() or not pid.isdigit():
+            continue  # another machine's: whether its writer runs is unknown here
+        if int(pid) != os.getpid() and not _alive(int(pid)):
             try:
                 os.remove(path)
                 removed.append(path)

@@ -155,7 +155,19 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().on_train_batch_end(batch, logs)
 
 
+def _check_local(path, caller: str, name: str) -> None:
+    """Refuses remote paths (gs://, s3://, hdfs://), which atomic renames cannot serve."""
+    if "://" in str(path):
+        raise ValueError(
+            f"{caller} writes local files only: it replaces them by renaming a "
+            "finished temporary file, which remote storage cannot do atomically. "
+            "Write to a local or mounted folder and copy the files to remote "
+            f"storage from there. Received: {name}={path!r}"
+        )
+
+
 def _check_writable(filepath: str) -> None:
+    _check_local(filepath, "ParallelModelCheckpoint", "filepath")
     folder = os.path.dirname(os.path.abspath(filepath)) or "."
     existing = folder
     while not os.path.exists(existing):
@@ -202,6 +214,10 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     parallel.fit(np.ones((32, 4)), np.ones((32, 1)), epochs=3, callbacks=[backup], verbose=0)
     ```
     """
+
+    def __init__(self, backup_dir, *args, **kwargs):
+        _check_local(backup_dir, "ParallelBackupAndRestore", "backup_dir")
+        super().__init__(backup_dir, *args, **kwargs)
 
     def set_model(self, model):
         # A parallel model's weights file is its template's, which carries the

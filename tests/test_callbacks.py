@@ -4,6 +4,7 @@ import glob
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -266,3 +267,27 @@ def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp
     expected, got = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kerasmulti.ParallelModelCheckpoint("gs://bucket/model.keras"),
+    lambda: kerasmulti.ParallelBackupAndRestore("s3://bucket/backup"),
+])
+def test_remote_paths_are_refused_before_training(make):
+    with pytest.raises(ValueError, match=r"writes local files only.*mounted folder.*Received: (filepath|backup_dir)='(gs|s3)://"):
+        make()
+
+
+def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
+    from kerasmulti import _atomic
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its pid names a writer that is gone
+    target = str(tmp_path / "m.keras")
+    here = _atomic.temporary_path(target).replace(f"{os.getpid()}@", f"{finished.pid}@")
+    elsewhere = here.replace(f"@{socket.gethostname()}-", "@another-machine-")
+    running = _atomic.temporary_path(target)
+    for path in (here, elsewhere, running):
+        open(path, "w").close()
+    assert _atomic.remove_stale_temporaries(target) == [here]
+    assert os.path.exists(elsewhere) and os.path.exists(running)

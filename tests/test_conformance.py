@@ -179,3 +179,13 @@ def test_mixed_precision_matches_template(case):
     # near-tie then, so the loss and the weights are compared.
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-2, atol=5e-3)
     assert_same_weights(reference, template, atol=1e-2)
+
+
+def test_a_model_without_trainable_weights_is_warned_about_like_keras():
+    template = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    template.trainable = False
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = np.random.default_rng().normal(size=(8, 3)), np.zeros((8, 2))
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)

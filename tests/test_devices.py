@@ -148,3 +148,15 @@ def test_one_device_is_a_working_pass_through():
         rtol=1e-6,
     )
     np.testing.assert_allclose(reference.predict(x, verbose=0), parallel.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_environment_variable_set_too_late_is_warned_about():
+    code = (
+        "import os, tensorflow as tf; tf.constant(1); "
+        "os.environ['KERASMULTI_SIMULATE_DEVICES'] = '2'; import kerasmulti; "
+        "print(len(kerasmulti.available_devices()))"
+    )
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "1"
+    assert "simulate_devices(2) came too late" in result.stderr and "Received: n=2" in result.stderr
