@@ -174,17 +174,26 @@ def _synchronized_call(layer, original):
         x = ops.cast(inputs, backend.result_type(inputs.dtype, "float32"))
         axes = layer._reduction_axes
         valid = ops.cast(_local.valid, x.dtype)
+        # As Keras' _moments: masked elements are left out (`where`, so that
+        # whatever they hold cannot reach the sums), and a masked count gets
+        # epsilon, so a wholly masked batch gives zeros, not NaN.
         if mask is None:
-            w = ops.ones_like(x)
+            kept, epsilon = None, 0.0
         else:
-            w = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), x.dtype)
+            kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
+            epsilon = backend.epsilon()
+
+        def masked(values):
+            return values if kept is None else ops.where(kept, values, 0)
+
+        w = masked(ops.ones_like(x))
         totals = _all_reduce_sum(
             rendezvous,
-            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(w * x, axes)]) * valid,
+            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(masked(x), axes)]) * valid,
         )
-        count = totals[0]
+        count = totals[0] + epsilon
         global_mean = totals[1] / count
-        deviations = ops.sum(w * ops.square(x - _expand(global_mean, x, axes)), axes)
+        deviations = ops.sum(masked(ops.square(x - _expand(global_mean, x, axes))), axes)
         variance = _all_reduce_sum(rendezvous, deviations * valid) / count
         if replica_id() == 0:
             momentum = layer.momentum

@@ -187,3 +187,38 @@ def test_a_custom_training_loop_gets_one_device_gradients_or_a_clear_error():
     parallel = kerasmulti.parallelize(_regularised(True), gpus=DEVICES)
     with tf.GradientTape(), pytest.raises(RuntimeError, match=r"under your own GradientTape.*fit\(\).*unwrap.*Received: training=True with 1 BatchNormalization"):
         parallel(x, training=True)
+
+
+def _masked_bn(seed=0):
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(9, 3, mask_zero=True)(tokens)
+    h = keras.layers.BatchNormalization(momentum=0.5)(h)  # statistics over unmasked steps only
+    return keras.Model(tokens, keras.layers.Dense(1)(keras.layers.LSTM(4)(h)))
+
+
+def test_masked_statistics_and_a_wholly_masked_batch_match_one_device():
+    rng = np.random.default_rng()
+    lengths = rng.integers(1, 6, size=(10, 1))
+    x = np.where(np.arange(5) < lengths, rng.integers(1, 9, size=(10, 5)), 0).astype("int32")
+    y = rng.normal(size=(10, 1)).astype("float32")
+    reference, template = _masked_bn(), _masked_bn()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(parallel.fit(x, y, **fit).history["loss"], reference.fit(x, y, **fit).history["loss"], rtol=1e-5)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=a.path)
+    # Every step masked: one device normalises with zero statistics, not NaN.
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    normalised = keras.layers.BatchNormalization()(keras.layers.Embedding(9, 3, mask_zero=True)(tokens))
+    reference = keras.Model(tokens, normalised)
+    parallel = kerasmulti.parallelize(keras.models.clone_model(reference), gpus=DEVICES)
+    parallel.set_weights(reference.get_weights())
+    padding = np.zeros((4, 5), "int32")
+    expected = np.asarray(reference(padding, training=True))
+    got = np.asarray(parallel(padding, training=True))
+    assert np.all(np.isfinite(expected))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
