@@ -200,6 +200,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     Args:
         backup_dir: Folder for the backup; deleted when training finishes.
         save_freq: `"epoch"`, or an int: back up every that many batches.
+            With an int, a resumed run starts the interrupted epoch over (as
+            Keras does), so only `"epoch"` resumes exactly.
         double_checkpoint: Also keep the previous backup.
         delete_checkpoint: Delete the backup when training finishes.
 

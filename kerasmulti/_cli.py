@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 DEFAULT_SIMULATED = 2
@@ -88,10 +87,16 @@ def _launch(args) -> int:
         _refuse_local_options(args)
         hosts = _launch.parse_hosts(args.hosts, args.index)
         env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index)}
-        return subprocess.call(command, env=env)
+        return _launch.run_one(command, env)
+    if args.index is not None:
+        raise _launch.LaunchError(
+            "--index says which of the --hosts this machine is; without --hosts it "
+            "means nothing. Pass --hosts with it, or drop it (--workers numbers the "
+            f"local workers itself). Received: index={args.index}"
+        )
     if args.workers is None and os.environ.get("TF_CONFIG"):
         _refuse_local_options(args)
-        return subprocess.call(command)  # an existing TF_CONFIG: run this worker as it says
+        return _launch.run_one(command, dict(os.environ))  # an existing TF_CONFIG: run this worker as it says
     return _launch.run_workers(command, args.workers, args.devices_per_worker)
 
 

@@ -17,10 +17,12 @@ before TensorFlow's first op); `launch` refuses, saying so, when it has.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -172,19 +174,59 @@ def _start_pump(stream, index: int, out) -> threading.Thread:
     return pump
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # runs the `finally` that stops the workers
+
+
+@contextlib.contextmanager
+def _stopped_with_this_process():
+    """Inside: SIGTERM and SIGHUP end this process through Python, so its workers are stopped too.
+
+    By default they end it at once, leaving the workers running, each
+    waiting for its peers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {s: signal.signal(s, _terminated) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_one(command: list[str], env: dict) -> int:
+    """Runs one worker's `command` and returns its exit code; stopping this stops it."""
+    process = subprocess.Popen(command, env=env)
+    try:
+        with _stopped_with_this_process():
+            return process.wait()
+    finally:
+        _stop([process])
+
+
 def _supervise(processes, pumps) -> int | None:
     """Waits for all processes; on the first failure stops the rest. Returns its index or None."""
     failed = None
     try:
-        while any(p.poll() is None for p in processes) and failed is None:
-            failed = next((i for i, p in enumerate(processes) if p.poll() not in (None, 0)), None)
-            time.sleep(POLL_S)
-        if failed is None:
-            failed = next((i for i, p in enumerate(processes) if p.returncode != 0), None)
+        with _stopped_with_this_process():
+            failed = _first_failure(processes)
     finally:
         _stop(processes)
         for pump in pumps:
             pump.join(timeout=5)
+    return failed
+
+
+def _first_failure(processes) -> int | None:
+    failed = None
+    while any(p.poll() is None for p in processes) and failed is None:
+        failed = next((i for i, p in enumerate(processes) if p.poll() not in (None, 0)), None)
+        time.sleep(POLL_S)
+    if failed is None:
+        failed = next((i for i, p in enumerate(processes) if p.returncode != 0), None)
     return failed
 
 
@@ -358,8 +400,16 @@ def launch(
             f"[worker {failed}]); the others were stopped. "
             f"Received: exitcode={processes[failed].returncode}"
         )
-    for receiver in receivers:
+    for index, receiver in enumerate(receivers):
         receiver.join()
+        if receiver.error is not None:
+            raise RuntimeError(
+                f"Worker {index} finished, but what its function returned cannot be "
+                "rebuilt in this process (it is unpickled here, and "
+                f"{type(receiver.error).__name__}: {receiver.error}). Return plain "
+                "data: numbers, arrays, dicts and lists, e.g. history.history rather "
+                f"than the History object. Received: error={type(receiver.error).__name__}"
+            )
     return [receiver.value for receiver in receivers]
 
 
@@ -371,7 +421,10 @@ def _receive(connection) -> threading.Thread:
             thread.value = connection.recv()
         except EOFError:
             thread.value = None
+        except Exception as error:  # a value this process cannot unpickle
+            thread.error = error
 
     thread = threading.Thread(target=receive, daemon=True)
+    thread.value, thread.error = None, None
     thread.start()
     return thread

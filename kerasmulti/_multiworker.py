@@ -34,9 +34,14 @@ around what breaks Keras 3 `fit` there:
 from __future__ import annotations
 
 import contextlib
-import secrets
+import hashlib
+import inspect
+import os
+import random
+import tempfile
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
@@ -66,6 +71,14 @@ class WorkerModel(ParallelModel):
         re-created one. Metric objects keep their identity; their variables
         are moved into the scope, so their results cover every worker.
         """
+        steps = kwargs.get("steps_per_execution", 1)
+        if steps != 1:
+            raise ValueError(
+                "parallelize() across workers runs one step per execution: with "
+                "several, TensorFlow 2.21's multi-worker step fails on an unfed "
+                "placeholder. Leave steps_per_execution at 1. "
+                f"Received: steps_per_execution={steps!r}"
+            )
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
             # Metric objects made outside the scope (AUC(), ...) hold plain
@@ -95,19 +108,32 @@ class WorkerModel(ParallelModel):
         done, so uneven sizes train as one process would on the workers'
         batches put together.
         """
+        kwargs = _bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        x, y, batch_size = kwargs.pop("x"), kwargs.pop("y"), kwargs.pop("batch_size")
+        self._fit_calls += 1
+        seed = self._seed + self._fit_calls  # a new order in every fit() call too
         if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             x = self._per_worker_dataset(x)
-        elif kwargs.get("shuffle", True) and array_data_adapter.can_convert_arrays((x, y)):
-            x, y, batch_size, kwargs = self._shuffled(x, y, batch_size, kwargs)
-        return self._on_all_workers(super().fit, (x, y, batch_size, *args), kwargs)
+        elif isinstance(x, keras.utils.PyDataset):
+            x = _WorkerBatches(x, seed if kwargs["shuffle"] else None)
+            kwargs["shuffle"] = False
+        elif kwargs["shuffle"] and array_data_adapter.can_convert_arrays((x, y)):
+            x, y, batch_size, kwargs = self._shuffled(x, y, batch_size, kwargs, seed)
+        if kwargs.get("validation_data") is not None:
+            kwargs["validation_data"] = _worker_input(kwargs["validation_data"])
+        return self._on_all_workers(super().fit, (_worker_input(x), y, batch_size), kwargs)
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
-        return self._on_all_workers(super().evaluate, args, kwargs)
+        kwargs = _bound(keras.Model.evaluate, args, kwargs)
+        kwargs["x"] = _worker_input(kwargs["x"])
+        return self._on_all_workers(super().evaluate, (), kwargs)
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
-        return self._on_all_workers(super().predict, args, kwargs)
+        kwargs = _bound(keras.Model.predict, args, kwargs)
+        kwargs["x"] = _worker_input(kwargs["x"])
+        return self._on_all_workers(super().predict, (), kwargs)
 
     def save(self, filepath, *args, **kwargs):
         """Saves the template on the chief only: every worker holds the same weights."""
@@ -119,7 +145,7 @@ class WorkerModel(ParallelModel):
         if _cluster.is_chief():
             return super().save_weights(filepath, *args, **kwargs)
 
-    def _shuffled(self, x, y, batch_size, kwargs):
+    def _shuffled(self, x, y, batch_size, kwargs, seed):
         # Keras shuffles arrays with an unseeded op: each worker would draw
         # its own order and keep its part of it, seeing some samples twice
         # and others never. A dataset shuffled with the chief's seed draws the
@@ -131,10 +157,11 @@ class WorkerModel(ParallelModel):
             arrays, validation = array_slicing.train_validation_split(arrays, split)
             kwargs["validation_data"] = validation
         rows = _split.batch_size(arrays[0])
+        # Lists are one tensor to tf.data, several inputs to Keras.
         dataset = tf.data.Dataset.from_tensor_slices(
-            data_adapter_utils.pack_x_y_sample_weight(*arrays)
+            tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
         )
-        dataset = dataset.shuffle(rows, seed=self._seed, reshuffle_each_iteration=True)
+        dataset = dataset.shuffle(rows, seed=seed, reshuffle_each_iteration=True)
         dataset = _sources.batched(dataset, batch_size or 32)
         kwargs["shuffle"] = False
         return dataset, None, None, kwargs
@@ -155,8 +182,8 @@ class WorkerModel(ParallelModel):
             missing = steps - _batches(dataset)
             if missing == 0:
                 return dataset
-            empty = tree.map_structure(
-                lambda spec: tf.zeros([0, *spec.shape[1:]], spec.dtype), dataset.element_spec
+            empty = tree.map_structure(  # a dimension of any length (padded_batch) gets 0
+                lambda spec: tf.zeros([0, *(d or 0 for d in spec.shape[1:])], spec.dtype), dataset.element_spec
             )
             return dataset.concatenate(tf.data.Dataset.from_tensors(empty).repeat(missing))
 
@@ -165,7 +192,7 @@ class WorkerModel(ParallelModel):
     def _on_all_workers(self, method, args, kwargs):
         if not _cluster.is_chief():
             kwargs["verbose"] = 0  # one progress bar, the chief's
-        with _lost_workers_explained(f"{method.__name__}()"):
+        with _lost_workers_explained(f"{method.__name__}()"), _written_by_chief(kwargs.get("callbacks")):
             result = method(*args, **kwargs)
             # Leave together: files the chief wrote or deleted at the end
             # (checkpoints, the backup) are final before any worker goes on.
@@ -263,7 +290,13 @@ def _in_scope(optimizer, strategy):
         return optimizer
     if getattr(optimizer, "_distribution_strategy", strategy) is strategy:
         return optimizer
-    adopted = optimizer.__class__.from_config(optimizer.get_config())
+    config = optimizer.get_config()
+    learning_rate = optimizer._learning_rate
+    if not isinstance(learning_rate, keras.Variable):
+        # A schedule or a callable: shared as it is; its config may name a
+        # class or a lambda that from_config cannot rebuild.
+        config["learning_rate"] = learning_rate
+    adopted = optimizer.__class__.from_config(config)
     if optimizer.built:
         adopted.build([v for v in optimizer._trainable_variables])
         for new, old in zip(adopted.variables, optimizer.variables):
@@ -359,11 +392,127 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     batch, so their shuffles must agree.
     """
     with _lost_workers_explained("parallelize()"), strategy.scope():
-        # `secrets`, not numpy: the user's seeded random streams stay as in one process.
-        seed = tf.Variable(secrets.randbelow(2**31 - 1), dtype="int64", trainable=False)
+        seed = tf.Variable(_shuffle_seed(), dtype="int64", trainable=False)
         _adopt_variables(template.variables)
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)
-    parallel._seed = int(seed.numpy())
+    parallel._seed, parallel._fit_calls = int(seed.numpy()), 0
     return parallel
+
+
+def _shuffle_seed() -> int:
+    """The seed the chief proposes for shuffling arrays.
+
+    Reproducible when the program seeded Python's `random` (as
+    `keras.utils.set_random_seed` does), else random; read from the state
+    without drawing from it, so the user's random streams stay as in one
+    process.
+    """
+    digest = hashlib.sha256(repr(random.getstate()).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (2**31 - 1)
+
+
+def _bound(method, args, kwargs) -> dict:
+    """`args` and `kwargs` of a call to `method` as keywords, defaults filled in."""
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _worker_input(data):
+    """An input every worker reads whole, keeping its part of each batch.
+
+    A PyDataset's batches are copied (see `_WorkerBatches`). TensorFlow's
+    default splits a tf.data pipeline that reads files by file, so each
+    worker would read other files: other batches than one process, and
+    predictions out of order; it is split by rows instead, unless the user
+    chose a policy.
+    """
+    if isinstance(data, keras.utils.PyDataset) and not isinstance(data, _WorkerBatches):
+        return _WorkerBatches(data)
+    if not isinstance(data, tf.data.Dataset):
+        return data
+    if data.options().experimental_distribute.auto_shard_policy != tf.data.experimental.AutoShardPolicy.AUTO:
+        return data
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return data.with_options(options)
+
+
+class _WorkerBatches(keras.utils.PyDataset):
+    """A PyDataset's batches, copied, in an order every worker draws alike.
+
+    Keras shuffles a PyDataset with each process's own `random`: each worker
+    would take its part of other batches, some samples twice, others never.
+    With `seed`, the order is drawn from it, anew each epoch; without, it is
+    the dataset's own. Batches are copies: across workers TensorFlow 2.21
+    takes a generator's arrays without copying and may write into them,
+    which corrupted the user's arrays behind the batches (labels of the last
+    batch of an epoch replaced by other numbers, measured).
+    """
+
+    def __init__(self, data, seed=None):
+        super().__init__(
+            workers=getattr(data, "workers", 1),
+            use_multiprocessing=getattr(data, "use_multiprocessing", False),
+            max_queue_size=getattr(data, "max_queue_size", 10),
+        )
+        self.data, self.seed, self.epoch = data, seed, 0
+        self.order = self._draw()
+
+    def _draw(self):
+        if self.seed is None:
+            return np.arange(self.data.num_batches)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.data.num_batches)
+
+    @property
+    def num_batches(self):
+        return self.data.num_batches
+
+    def __len__(self):
+        return self.data.num_batches
+
+    def __getitem__(self, index):
+        batch = self.data[int(self.order[index])]
+        return tree.map_structure(lambda a: np.array(a) if isinstance(a, np.ndarray) else a, batch)
+
+    def on_epoch_begin(self):
+        self.data.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.data.on_epoch_end()
+        self.epoch += 1
+        self.order = self._draw()
+
+
+@contextlib.contextmanager
+def _written_by_chief(callbacks):
+    """Inside: Keras callbacks that write files write them on the chief only.
+
+    On the other workers, `CSVLogger` and `TensorBoard` write into a
+    temporary folder, deleted afterwards, as Keras 2 did: all workers writing
+    the same file would clobber it. (Saving goes through the parallel model,
+    whose `save` writes on the chief only.)
+    """
+    if _cluster.is_chief() or not callbacks:
+        yield
+        return
+    attributes = {keras.callbacks.CSVLogger: "filename", keras.callbacks.TensorBoard: "log_dir"}
+    moved = []
+    with tempfile.TemporaryDirectory(prefix="kerasmulti-worker-") as folder:
+        for callback in tree.flatten(callbacks):
+            for kind, attribute in attributes.items():
+                if isinstance(callback, kind):
+                    original = getattr(callback, attribute)
+                    name = os.path.basename(str(original).rstrip("/")) or "log"
+                    setattr(callback, attribute, os.path.join(folder, name))
+                    moved.append((callback, attribute, original))
+        try:
+            yield
+        finally:
+            for callback, attribute, original in moved:
+                setattr(callback, attribute, original)

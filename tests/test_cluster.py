@@ -145,3 +145,17 @@ def test_a_bad_join_timeout_is_refused(monkeypatch):
     assert _cluster.join_timeout() == 90.0
     monkeypatch.delenv("KERASMULTI_JOIN_TIMEOUT")
     assert _cluster.join_timeout() == _cluster.DEFAULT_JOIN_TIMEOUT_S
+
+
+def test_the_shuffle_seed_follows_a_seeded_program_without_drawing_from_it():
+    import random
+
+    from kerasmulti import _multiworker
+
+    random.seed(3)
+    first, drawn = _multiworker._shuffle_seed(), random.random()
+    random.seed(3)
+    assert _multiworker._shuffle_seed() == first
+    assert random.random() == drawn  # the program's own random stream is untouched
+    random.seed(4)
+    assert _multiworker._shuffle_seed() != first

@@ -1,6 +1,7 @@
 """kerasmulti launch: workers on free localhost ports, TF_CONFIG, first failure wins."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +85,7 @@ def test_an_existing_tf_config_is_used_as_it_is():
         (["--hosts", "a:1,b:2"], "Received: index=None"),
         (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
         (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
+        (["--workers", "2", "--index", "1"], "without --hosts it means nothing. Pass --hosts with it, or drop it"),
         (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
         (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
          "Drop --devices-per-worker. Received: devices_per_worker=2"),
@@ -143,3 +145,33 @@ def test_the_notebook_launcher_reports_a_failed_worker():
     assert "[worker 1] ValueError: worker 1 broke on purpose" in result.stdout
     assert "launch raised: Worker 1 of 2 failed" in result.stdout
     assert "the others were stopped. Received: exitcode=1" in result.stdout
+
+
+def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
+    result = _notebook_launch("unloadable")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "launch raised: Worker 0 finished, but what its function returned cannot be rebuilt" in result.stdout
+    assert "this value cannot be rebuilt" in result.stdout and "Received: error=ValueError" in result.stdout
+
+
+def test_stopping_the_launcher_stops_its_workers():
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    environment.pop("TF_CONFIG", None)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "kerasmulti._cli", "launch", "--workers", "2", os.path.join(WORKERS, "sleeper.py")],
+        stdout=subprocess.PIPE, text=True, env=environment,
+    )
+    pids = []
+    try:
+        while len(pids) < 2:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended before its workers started"
+            if "pid=" in line:
+                pids.append(int(line.split("pid=")[1]))
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        launcher.kill()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped by the launcher

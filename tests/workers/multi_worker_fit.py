@@ -35,6 +35,7 @@ import kerasmulti  # first: joins the cluster before TensorFlow runs anything
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from seen import Seen  # noqa: E402
 
 out = sys.argv[1]
 reference = "--reference" in sys.argv
@@ -149,29 +150,9 @@ save("losses", template, uneven=uneven["loss"], even=[even[k] for k in ("loss", 
 # coverage: the metric counts each sample's id (y) as it is seen
 if not reference:
 
-    class Seen(keras.metrics.Metric):
-        """Counts each sample id seen: across the cluster, or (here=True) by this worker."""
-
-        def __init__(self, here=False):
-            super().__init__(name="seen_here" if here else "seen")
-            if here:  # a plain variable: parallelize leaves it local to the worker
-                self.counts = tf.Variable(tf.zeros(21))
-            else:
-                self.counts = self.add_variable(shape=(21,), initializer="zeros", name="counts")
-
-        def update_state(self, y_true, y_pred, sample_weight=None):
-            ids = tf.cast(tf.reshape(y_true, [-1]), "int32")
-            self.counts.assign_add(tf.math.bincount(ids, minlength=21, maxlength=21, dtype="float32"))
-
-        def reset_state(self):
-            self.counts.assign(tf.zeros(21))
-
-        def result(self):
-            return tf.identity(self.counts)
-
     template = model(seed=0, batchnorm=False)
     target = kerasmulti.parallelize(template)
-    target.compile(optimizer="sgd", loss="mse", metrics=[Seen(), Seen(here=True)])
+    target.compile(optimizer="sgd", loss="mse", metrics=[Seen(21), Seen(21, here=True)])
     ids = np.arange(21, dtype="float32")[:, None]
     history = target.fit(x, ids, batch_size=4, epochs=2, shuffle=True, validation_split=0.25, verbose=0).history
     results["coverage/seen"] = np.stack(history["seen"])

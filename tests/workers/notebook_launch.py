@@ -2,7 +2,8 @@
 
 `notebook_launch.py ok`: two workers train, each returns its weights; prints
 "same weights" when they agree. `notebook_launch.py fail`: worker 1 raises;
-prints the error launch() raised.
+`notebook_launch.py unloadable`: the workers return a value that cannot be
+unpickled here. Both print the error launch() raised.
 """
 
 import sys
@@ -10,7 +11,18 @@ import sys
 import kerasmulti
 
 
+def _refuse():
+    raise ValueError("this value cannot be rebuilt")
+
+
+class Unloadable:
+    def __reduce__(self):  # pickles in the worker, fails to unpickle here
+        return _refuse, ()
+
+
 def train(mode):
+    if mode == "unloadable":
+        return Unloadable()
     import keras
     import numpy as np
 
