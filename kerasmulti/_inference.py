@@ -29,7 +29,7 @@ from keras import tree
 
 from kerasmulti import _atomic, _sources
 from kerasmulti import _cluster
-from kerasmulti._parallel import ParallelModel, unwrap
+from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._devices import is_positive_int, resolve_devices
 from kerasmulti._parallelize import _check_model, local_parallel
 
@@ -206,6 +206,7 @@ def parallel_predict(
     else:
         parallel = _parallel_of(unwrap(model), gpus, devices)
     template = parallel._template
+    _warn_overrides(template, ("predict_step",))
     source = _sources.make_source(data)
     if source.rows == 0:
         raise ValueError(
@@ -321,5 +322,5 @@ def _run(predict, source, start, batch_size, verbose):
             f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but "
             f"{source.rows} were counted before predicting: parallel_predict() reads "
             "some inputs more than once, and they must give the same rows each time. "
-            f"Received: {row} rows"
+            f"Received: rows={row}, counted={source.rows}"
         )

@@ -189,7 +189,9 @@ def _stopped_with_this_process():
         yield
         return
     signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {s: signal.signal(s, _terminated) for s in signals}
+    # Only where the signal would end this process: an ignored one (nohup)
+    # or one the program handles stays as it is.
+    previous = {s: signal.signal(s, _terminated) for s in signals if signal.getsignal(s) is signal.SIG_DFL}
     try:
         yield
     finally:

@@ -465,19 +465,17 @@ class _WorkerBatches(keras.utils.PyDataset):
         self.order = self._draw()
 
     def _draw(self):
-        if self.seed is None:
-            return np.arange(self.data.num_batches)
+        if self.seed is None or self.data.num_batches is None:  # no order to draw from an endless one
+            return None
         return np.random.default_rng([self.seed, self.epoch]).permutation(self.data.num_batches)
 
     @property
     def num_batches(self):
         return self.data.num_batches
 
-    def __len__(self):
-        return self.data.num_batches
 
     def __getitem__(self, index):
-        batch = self.data[int(self.order[index])]
+        batch = self.data[index if self.order is None else int(self.order[index])]
         return tree.map_structure(lambda a: np.array(a) if isinstance(a, np.ndarray) else a, batch)
 
     def on_epoch_begin(self):

@@ -54,7 +54,6 @@ class ParallelModel(keras.Model):
         self._replica_devices = list(devices)
         self._merge_device = merge_device
         self._batchnorm = _replicas.batchnorm_layers(template)
-        _warn_overrides(template, ("predict_step",))
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -124,9 +123,9 @@ class ParallelModel(keras.Model):
                 "statistics on threads of their own, which a tape does not record, "
                 "so every gradient would be None. Train the parallel model with fit() "
                 "or train_on_batch() (they take each replica's gradients), or run a "
-                "custom loop on the template model (kerasmulti.unwrap(parallel)). "
-                f"Received: training=True with {len(self._batchnorm)} "
-                "BatchNormalization layer(s) while a GradientTape records"
+                "custom loop on the template model (kerasmulti.unwrap(parallel)); "
+                f"it has {len(self._batchnorm)} BatchNormalization layer(s). "
+                "Received: training=True"
             )
         with self._synchronized(synchronized):
             outputs = _replicas.run(
@@ -297,12 +296,16 @@ def _check_reductions(loss) -> None:
             "and reduced losses on other outputs: Keras adds the reduced ones to every "
             "row, and each replica holds only its part of them. Give every output's "
             "loss the same kind of reduction (all None, or none None). "
-            f"Received: loss reductions {sorted(reductions)}"
+            f"Received: reductions={sorted(reductions)}"
         )
 
 
 def _warn_overrides(template: keras.Model, names) -> None:
-    """Warns that the parallel model runs Keras' own steps, not the template's."""
+    """Warns that the parallel model runs Keras' own steps, not the template's.
+
+    Called by the public function the user called, so the warning points at
+    the user's line.
+    """
     overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
     if overridden:
         warnings.warn(

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from kerasmulti import _cluster, _devices
-from kerasmulti._parallel import ParallelModel, unwrap
+from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
 
 
 def _refuse_unsplittable(model) -> None:
@@ -118,6 +118,8 @@ def parallelize(
     parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
     ```
     """
+    if isinstance(model, keras.Model):
+        _warn_overrides(unwrap(model), ("predict_step",))
     strategy = _cluster.strategy()
     if strategy is not None:
         _check_model(model)

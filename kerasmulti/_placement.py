@@ -23,6 +23,8 @@ placement explicitly.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import warnings
 from typing import Mapping
@@ -63,9 +65,28 @@ def _is_symbolic(args, kwargs) -> bool:
     return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
 
 
+_DESERIALISING = frozenset({"from_config", "functional_from_config", "deserialize_keras_object"})
+
+
+def _deserialising() -> bool:
+    """Whether Keras is rebuilding a model from its config (loading, cloning).
+
+    A model loaded inside a scope keeps the placement it was saved with:
+    wrapping its layers again would rename them, and its weights would no
+    longer match.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _DESERIALISING and f"{os.sep}keras{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _scoped_call(self, *args, **kwargs):
     stack = _stack()
-    if stack and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs):
+    if stack and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not _deserialising():
         return OnDevice(self, stack[-1], _validated=True)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
 
@@ -77,7 +98,7 @@ def _scoped_sequential_build(self, input_shape=None):
     summarised and cloned without their placement.
     """
     stack = _stack()
-    if stack:
+    if stack and not _deserialising():
         self._layers = [
             layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else OnDevice(layer, stack[-1], _validated=True)
             for layer in self._layers
@@ -361,7 +382,7 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     model's compiled fit/evaluate/predict steps (and `parallel_predict`'s)
     are dropped, so the next call traces them again with the new devices. A
     model from `parallelize` keeps its own steps: pass it here instead of its
-    template (its template's layers move with it).
+    template, and both drop theirs.
 
     Returns:
         The same model, for chaining.
@@ -383,10 +404,12 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
             layer.device = moves[layer.device]
     # Traced steps keep the old devices: fit/evaluate/predict's, and
     # parallel_predict's (kept with the model, or with a parallel model).
-    for name in ("train_function", "test_function", "predict_function"):
-        if getattr(model, name, None) is not None:
-            setattr(model, name, None)
-    model.__dict__.pop("__kerasmulti_parallel_models", None)
-    model.__dict__.pop("_kerasmulti_predict", None)
+    template = getattr(model, "_template", None)  # a model from parallelize
+    for traced in [model] + ([template] if template is not None else []):
+        for name in ("train_function", "test_function", "predict_function"):
+            if getattr(traced, name, None) is not None:
+                setattr(traced, name, None)
+        traced.__dict__.pop("__kerasmulti_parallel_models", None)
+        traced.__dict__.pop("_kerasmulti_predict", None)
     return model
 

@@ -11,6 +11,7 @@ dataset is fed through (multi-worker fit, the demo, the benchmarks).
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Iterator
 
 import keras
@@ -87,7 +88,7 @@ class BatchedSource(Source):
                     "parallel_predict() got a tf.data.Dataset that never ends (it "
                     "repeats), so it would never finish. Predict on a finite "
                     "dataset: drop `.repeat()`, or take the rows you need with "
-                    "`.take(batches)`. Received: data with infinite cardinality"
+                    "`.take(batches)`. Received: data.cardinality()=INFINITE"
                 )
             self.sizes, hashes = [], None
             for batch in self._raw():
@@ -140,13 +141,13 @@ class BatchedSource(Source):
                 f"has {rows} rows now and had {expected}. parallel_predict() reads it "
                 "twice (to count its rows, then to predict), so it must yield the same "
                 "batches each time: shuffle with reshuffle_each_iteration=False, or "
-                f"not at all. Received: rows in batch {index}={rows}"
+                f"not at all. Received: batch={index}, rows={rows}"
             )
         return (
             f"PyDataset batch {index} has {rows} rows, but parallel_predict() expects "
             f"{expected}: as in Keras, every batch but the last must be as large as "
             "the first (the rows are counted from the first and last batch). Make "
-            f"the batches equal. Received: rows in batch {index}={rows}"
+            f"the batches equal. Received: batch={index}, rows={rows}"
         )
 
     def sample(self):
@@ -156,11 +157,11 @@ class BatchedSource(Source):
         if isinstance(self.data, tf.data.Dataset):
             yield [np.frombuffer(d, np.uint8) for d in self._hashes]
             return
-        # The rows an array of the same rows would give: the same data as a
-        # PyDataset or as arrays is the same input. Batches are read in order,
-        # one kept at a time.
+        # Its first two and last two rows: their batches are read anyway (for
+        # the row count), where reading more could cost as much as a pass
+        # (images decoded, files fetched) and fail before predicting starts.
         loaded = (None, None)
-        for begin in _sampled_rows(self.rows):
+        for begin in sorted({0, max(0, self.rows - 2)}):
             rows = []
             for row in range(begin, min(begin + 2, self.rows)):
                 index = int(np.searchsorted(self._starts, row, side="right")) - 1
@@ -175,11 +176,10 @@ FINGERPRINT_SAMPLES = 16
 
 
 def _sampled_rows(rows: int) -> list[int]:
-    """First rows of the pairs that identify an input, spread from first to last.
+    """First rows of the pairs that identify an array input, spread from first to last.
 
     Pairs of rows, not the whole input: reading it all would cost a pass over
-    data larger than memory. Rows, not batches: the same data batched
-    differently is the same input.
+    data larger than memory.
     """
     return sorted({int(i) for i in np.linspace(0, max(0, rows - 2), FINGERPRINT_SAMPLES)})
 
@@ -212,9 +212,10 @@ def fingerprint(source: Source) -> str:
     """Identifies an input by its size and rows spread over all of it.
 
     A pipeline (`tf.data`) is hashed whole, as it is read once anyway to
-    count its rows; arrays, HDF5 datasets and a PyDataset by 16 pairs of rows
-    spread from first to last, so an edit that misses every sampled row goes
-    unnoticed there.
+    count its rows; arrays and HDF5 datasets by 16 pairs of rows spread from
+    first to last; a PyDataset by its first two and last two rows. An edit
+    that misses every sampled row goes unnoticed. Rows, not batches: the same
+    data batched differently is the same input (within each kind).
     """
     digest = hashlib.sha256(str(source.rows).encode())
     for part in source.fingerprint_parts():
@@ -228,7 +229,10 @@ def fingerprint(source: Source) -> str:
 def model_fingerprint(model) -> str:
     """Identifies a model by its architecture and weights."""
     try:
-        architecture = model.to_json()
+        # Without placement's `layer_id`s: they name layer objects of this
+        # process, and a reloaded model must be the same model.
+        config = _without_key(model.get_config(), "layer_id")
+        architecture = f"{type(model).__qualname__}:{json.dumps(config, sort_keys=True)}"
     except Exception:  # a subclassed model whose config cannot be serialised
         architecture = f"{type(model).__module__}.{type(model).__qualname__}"
     digest = hashlib.sha256(architecture.encode())
@@ -236,6 +240,14 @@ def model_fingerprint(model) -> str:
         digest.update(f"{weight.path}{tuple(weight.shape)}".encode())
         digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
     return digest.hexdigest()
+
+
+def _without_key(config, key):
+    if isinstance(config, dict):
+        return {k: _without_key(v, key) for k, v in config.items() if k != key}
+    if isinstance(config, (list, tuple)):
+        return [_without_key(v, key) for v in config]
+    return config
 
 
 def check_shapes(model, sample) -> None:

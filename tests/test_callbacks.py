@@ -287,7 +287,9 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
     here = _atomic.temporary_path(target).replace(f"{os.getpid()}@", f"{finished.pid}@")
     elsewhere = here.replace(f"@{socket.gethostname()}-", "@another-machine-")
     running = _atomic.temporary_path(target)
-    for path in (here, elsewhere, running):
+    dashed = _atomic.temporary_path(str(tmp_path / "ckpt.v-2")).replace(f"{os.getpid()}@", f"{finished.pid}@")
+    older = str(tmp_path / f".m.keras.kerasmulti-tmp-{finished.pid}-0123abcd.keras")  # before hosts were named
+    for path in (here, elsewhere, running, dashed, older):
         open(path, "w").close()
-    assert _atomic.remove_stale_temporaries(target) == [here]
+    assert sorted(_atomic.remove_stale_temporaries(target)) == sorted([here, dashed, older])
     assert os.path.exists(elsewhere) and os.path.exists(running)

@@ -150,8 +150,6 @@ def test_a_bad_join_timeout_is_refused(monkeypatch):
 def test_the_shuffle_seed_follows_a_seeded_program_without_drawing_from_it():
     import random
 
-    from kerasmulti import _multiworker
-
     random.seed(3)
     first, drawn = _multiworker._shuffle_seed(), random.random()
     random.seed(3)
@@ -159,3 +157,37 @@ def test_the_shuffle_seed_follows_a_seeded_program_without_drawing_from_it():
     assert random.random() == drawn  # the program's own random stream is untouched
     random.seed(4)
     assert _multiworker._shuffle_seed() != first
+
+
+def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_order():
+    import keras
+
+    rows = np.arange(12, dtype="float32")[:, None]
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return rows[3 * i: 3 * i + 3]
+
+    class Endless(keras.utils.PyDataset):
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, i):
+            return rows[:3] + i
+
+    first, again = (_multiworker._WorkerBatches(Batches(), seed=5) for _ in range(2))
+    order = [int(first[i][0, 0]) // 3 for i in range(4)]
+    assert sorted(order) == [0, 1, 2, 3]
+    assert order == [int(again[i][0, 0]) // 3 for i in range(4)]  # every worker draws the same
+    assert not np.shares_memory(first[0], rows)  # TensorFlow may write into what it is given
+    epochs = [order]
+    for _ in range(5):
+        first.on_epoch_end()
+        epochs.append([int(first[i][0, 0]) // 3 for i in range(4)])
+    assert len({tuple(e) for e in epochs}) > 1  # drawn anew each epoch
+    endless = _multiworker._WorkerBatches(Endless(), seed=5)
+    assert endless.num_batches is None and float(endless[2][0, 0]) == 2.0

@@ -156,7 +156,10 @@ def test_several_steps_per_execution_match_template(case):
     reference, template, parallel, x, y = _setup(case)
     for model in (reference, parallel):
         model.compile(**case.compile_kwargs(), steps_per_execution=3)
-    fit = dict(batch_size=2, epochs=2, shuffle=False, verbose=0)
+    # Batches of 4, not 2: two rows' BatchNormalization statistics amplify the
+    # last-bit differences of convolutions on sub-batches (about 1 run in 16
+    # then exceeded the tolerance, before and after this test's changes).
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
     assert_same_weights(reference, template)
 

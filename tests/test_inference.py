@@ -102,19 +102,19 @@ class _Crashing(keras.utils.PyDataset):
     reader thread), not those read before, to count rows and fingerprint.
     """
 
-    def __init__(self, x, crash_at=None):
+    def __init__(self, x, crash_at=None, size=4):
         super().__init__()
-        self.x, self.crash_at, self.requested = x, crash_at, []
+        self.x, self.crash_at, self.size, self.requested = x, crash_at, size, []
 
     def __len__(self):
-        return -(-len(self.x) // 4)
+        return -(-len(self.x) // self.size)
 
     def __getitem__(self, i):
         if threading.current_thread().name == "kerasmulti-reader":
             self.requested.append(i)
             if i == self.crash_at:
                 raise RuntimeError("the job died")
-        return self.x[i * 4 : (i + 1) * 4]
+        return self.x[i * self.size : (i + 1) * self.size]
 
 
 def test_the_same_call_resumes_where_the_file_stopped(tmp_path):
@@ -306,11 +306,10 @@ def test_a_finished_file_is_left_as_it_is_and_batching_does_not_change_the_input
     model, x = _two_outputs(), _data(10)
     path = str(tmp_path / "out.h5")
     kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)  # batches of 4, last of 2
-    again = _Crashing(x)
+    # The same rows batched differently are the same input: accepted, nothing left to read.
+    again = _Crashing(x, size=3)
     kerasmulti.parallel_predict(model, again, output=path, verbose=0)
-    assert again.requested == []  # nothing left to read
-    # The same rows as one array are the same input: accepted, nothing redone.
-    kerasmulti.parallel_predict(model, x, batch_size=3, output=path, verbose=0)
+    assert again.requested == []
     features, _ = model.predict(x, verbose=0)
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
@@ -350,7 +349,7 @@ def test_batches_that_break_the_row_count_are_refused():
         def __getitem__(self, i):
             return x[[0, 3, 8][i] : [3, 8, 10][i]]
 
-    with pytest.raises(ValueError, match=r"PyDataset batch 1 has 5 rows.*expects 3.*Received: rows in batch 1=5"):
+    with pytest.raises(ValueError, match=r"PyDataset batch 1 has 5 rows.*expects 3.*Received: batch=1, rows=5"):
         kerasmulti.parallel_predict(model, Uneven(), verbose=0)
     reads = []  # a pipeline that batches differently when read again
 
@@ -359,13 +358,26 @@ def test_batches_that_break_the_row_count_are_refused():
         yield from _uneven(x, [3, 5, 2] if len(reads) == 1 else [5, 3, 2]).as_numpy_iterator()
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
-    with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 has 5 rows now and had 3.*Received: rows in batch 0=5"):
+    with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 has 5 rows now and had 3.*Received: batch=0, rows=5"):
+        kerasmulti.parallel_predict(model, dataset, verbose=0)
+
+
+def test_an_input_that_ends_early_when_read_again_is_refused():
+    model, x = _two_outputs(), _data(10)
+    reads = []
+
+    def batches():  # 3 batches when counted, 2 when read to predict
+        reads.append(1)
+        yield from _uneven(x, [3, 5, 2] if len(reads) == 1 else [3, 5]).as_numpy_iterator()
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    with pytest.raises(ValueError, match=r"gave 8 rows, but 10 were counted.*Received: rows=8, counted=10"):
         kerasmulti.parallel_predict(model, dataset, verbose=0)
 
 
 def test_inputs_that_never_end_are_refused_at_once():
     model, x = _two_outputs(), _data(8)
-    with pytest.raises(ValueError, match=r"never ends.*Received: data with infinite cardinality"):
+    with pytest.raises(ValueError, match=r"never ends.*Received: data.cardinality\(\)=INFINITE"):
         kerasmulti.parallel_predict(model, tf.data.Dataset.from_tensor_slices(x).batch(4).repeat(), verbose=0)
 
     class Endless(keras.utils.PyDataset):

@@ -175,3 +175,14 @@ def test_stopping_the_launcher_stops_its_workers():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # stopped and reaped by the launcher
+
+
+def test_an_ignored_hangup_stays_ignored_while_workers_run():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with _launch._stopped_with_this_process():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is _launch._terminated
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

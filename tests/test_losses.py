@@ -186,7 +186,7 @@ def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, bat
 
 def test_reduction_none_mixed_with_reduced_losses_is_refused():
     parallel = kerasmulti.parallelize(_two_dense(5), gpus=DEVICES)
-    with pytest.raises(ValueError, match=r"cannot mix a loss with reduction=None.*Received: loss reductions \['None', 'sum_over_batch_size'\]"):
+    with pytest.raises(ValueError, match=r"cannot mix a loss with reduction=None.*Received: reductions=\['None', 'sum_over_batch_size'\]"):
         parallel.compile(optimizer="sgd", loss={"a": keras.losses.MeanSquaredError(reduction="none"), "b": "mse"})
 
 
@@ -252,8 +252,11 @@ def test_a_template_with_its_own_predict_step_is_warned_about_when_wrapped():
 
     inputs = keras.Input((4,))
     template = Labels(inputs, keras.layers.Dense(3)(inputs))
-    with pytest.warns(UserWarning, match=r"overrides predict_step, which the parallel model does not run.*Received: overrides=\['predict_step'\]"):
+    with pytest.warns(UserWarning, match=r"overrides predict_step, which the parallel model does not run.*Received: overrides=\['predict_step'\]") as record:
         kerasmulti.parallelize(template, gpus=DEVICES)
+    assert record[0].filename == __file__  # the warning points at the user's line
+    with pytest.warns(UserWarning, match=r"overrides predict_step"):
+        kerasmulti.parallel_predict(template, np.zeros((4, 4), "float32"), verbose=0)
 
 
 def test_auto_scale_loss_reaches_the_template_so_they_share_one_optimizer():

@@ -4,6 +4,7 @@ import contextlib
 import io
 import zipfile
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -278,8 +279,10 @@ def test_remap_devices_retraces_parallel_predict():
     assert traced == {"/device:CPU:2"}
     wrapped = kerasmulti.parallelize(model, gpus=1)
     wrapped.predict(x, verbose=0)
+    model.predict(x, verbose=0)
     kerasmulti.remap_devices(wrapped, {"/cpu:2": "/cpu:1"})
-    assert wrapped.predict_function is None
+    assert wrapped.predict_function is None and model.predict_function is None  # the template's too
+    assert "__kerasmulti_parallel_models" not in model.__dict__
     assert _op_devices(lambda x: wrapped(x), (tf.TensorSpec((None, 4)),), {"MatMul"}) == {"/device:CPU:1"}
 
 
@@ -389,3 +392,34 @@ def test_xla_stays_off_for_placed_models(monkeypatch):
     assert placed.jit_compile is False
     x, y = _pairs(shape=(5,)), RNG.normal(size=(12, 1)).astype("float32")
     assert np.isfinite(placed.fit(x, y, epochs=1, verbose=0).history["loss"][0])
+
+
+def test_parallel_predict_resumes_with_a_reloaded_placed_model(tmp_path):
+    model = _shared_lstm()
+    path = str(tmp_path / "placed.keras")
+    model.save(path)
+    x = _pairs(rows=20)
+    output = str(tmp_path / "features.h5")
+    kerasmulti.parallel_predict(keras.models.load_model(path), x, batch_size=4, output=output, verbose=0)
+    with h5py.File(output, "r+") as f:  # as a kill after two batches leaves it
+        f["kerasmulti_rows_done"][()] = 8
+    kerasmulti.parallel_predict(keras.models.load_model(path), x, batch_size=4, output=output, verbose=0)
+    with h5py.File(output, "r") as f:
+        assert f["kerasmulti_rows_done"][()] == 20
+        (name,) = [n for n in f if n != "kerasmulti_rows_done"]
+        np.testing.assert_allclose(f[name][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_loaded_inside_a_scope_keeps_its_own_placement(tmp_path):
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="projection")])
+    inputs = keras.Input((4,))
+    functional = keras.Model(inputs, keras.layers.Dense(2, name="head")(keras.layers.Dense(3, name="middle")(inputs)))
+    x = RNG.normal(size=(5, 4)).astype("float32")
+    for model in (sequential, functional, _shared_lstm()):
+        path = str(tmp_path / f"{model.name}.keras")
+        model.save(path)
+        with kerasmulti.device_scope("/cpu:2"):
+            loaded = keras.models.load_model(path)
+        assert [layer.name for layer in loaded.layers] == [layer.name for layer in model.layers]
+        data = _pairs() if len(model.inputs) == 2 else x
+        np.testing.assert_allclose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), rtol=1e-6)
