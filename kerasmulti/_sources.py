@@ -160,16 +160,8 @@ class BatchedSource(Source):
         # Its first two and last two rows: their batches are read anyway (for
         # the row count), where reading more could cost as much as a pass
         # (images decoded, files fetched) and fail before predicting starts.
-        loaded = (None, None)
         for begin in sorted({0, max(0, self.rows - 2)}):
-            rows = []
-            for row in range(begin, min(begin + 2, self.rows)):
-                index = int(np.searchsorted(self._starts, row, side="right")) - 1
-                if loaded[0] != index:
-                    loaded = (index, _inputs_of(self.data[index]))
-                offset = row - int(self._starts[index])
-                rows.append(tree.map_structure(lambda a: np.asarray(a)[offset : offset + 1], loaded[1]))
-            yield tree.map_structure(lambda *parts: np.concatenate(parts), *rows)
+            yield _head(self.batches(begin, 2), 2)
 
 
 FINGERPRINT_SAMPLES = 16
@@ -193,6 +185,17 @@ def _inputs_of(batch):
 
 def _rows(batch) -> int:
     return len(tree.flatten(batch)[0])
+
+
+def _head(batches: Iterator, n: int):
+    """The first `n` rows of a stream of batches, reading no batch past them."""
+    parts, got = [], 0
+    for batch in batches:
+        parts.append(tree.map_structure(lambda a: np.asarray(a)[: n - got], batch))
+        got += _rows(parts[-1])
+        if got >= n:
+            break
+    return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)
 
 
 def make_source(data) -> Source:
