@@ -35,6 +35,7 @@ from kerasmulti._parallelize import _check_model, local_parallel
 
 PROGRESS = "kerasmulti_rows_done"
 _CACHE = "__kerasmulti_parallel_models"
+_STEP = "_kerasmulti_predict"
 _PREFETCH = 2
 
 
@@ -291,13 +292,19 @@ def _parallel_of(model, gpus, devices) -> ParallelModel:
     return parallel
 
 
+def drop_kept_steps(model) -> None:
+    """Forgets what `parallel_predict` kept for `model`: its parallel models and predict step."""
+    model.__dict__.pop(_CACHE, None)
+    model.__dict__.pop(_STEP, None)
+
+
 def _predictor(parallel):
     # Compiled once per parallel model and reused by later calls. A relaxed
     # signature keeps the first, the full and the last batch to two traces.
-    step = getattr(parallel, "_kerasmulti_predict", None)
+    step = getattr(parallel, _STEP, None)
     if step is None:
         step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True)
-        parallel._kerasmulti_predict = step
+        setattr(parallel, _STEP, step)
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 
 

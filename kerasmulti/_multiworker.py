@@ -473,7 +473,6 @@ class _WorkerBatches(keras.utils.PyDataset):
     def num_batches(self):
         return self.data.num_batches
 
-
     def __getitem__(self, index):
         batch = self.data[index if self.order is None else int(self.order[index])]
         return tree.map_structure(lambda a: np.array(a) if isinstance(a, np.ndarray) else a, batch)

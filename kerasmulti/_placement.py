@@ -34,6 +34,7 @@ import tensorflow as tf
 from keras.src.backend.common import global_state
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
+from kerasmulti import _inference
 from kerasmulti._devices import _canonical, known_devices, resolve_device
 
 _local = threading.local()
@@ -409,7 +410,6 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
         for name in ("train_function", "test_function", "predict_function"):
             if getattr(traced, name, None) is not None:
                 setattr(traced, name, None)
-        traced.__dict__.pop("__kerasmulti_parallel_models", None)
-        traced.__dict__.pop("_kerasmulti_predict", None)
+        _inference.drop_kept_steps(traced)
     return model
 
