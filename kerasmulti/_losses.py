@@ -85,7 +85,7 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
         if weights is None:
             # Count it by the replica's rows.
             rows = ops.cast(part.rows, values.dtype) * valid
-            return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows)))
+            return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows, True)))
         warnings.warn(
             "A loss function returned a scalar, and "
             + ("sample_weight or class_weight is set" if sample_weight is not None else "the outputs carry a mask")
@@ -106,7 +106,9 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
         count = elements * ops.sum(mask) / ops.cast(ops.size(mask), values.dtype)
     else:
         count = elements
-    batch_count = ops.stop_gradient(part.total(count * valid))
+    # Proportional to the rows unless weights or a mask decide the count.
+    by_rows = mask is None and not (reduction == "mean_with_sample_weight" and weights is not None)
+    batch_count = ops.stop_gradient(part.total(count * valid, by_rows))
     return total if reduction == "sum" else ops.divide_no_nan(total, batch_count)
 
 
@@ -148,7 +150,8 @@ def replica_part(share, valid, rows, total: Callable):
         share: The replica's share of the batch's rows.
         valid: 1 if its rows count, 0 if it computes on a borrowed row.
         rows: The rows it computes on (a borrowed one included).
-        total: Sums a scalar over all replicas of the step.
+        total: `total(value, by_rows)` sums a scalar over all replicas of
+            the step; `by_rows` says the value is proportional to the rows.
     """
     global _installed
     with _install_lock:

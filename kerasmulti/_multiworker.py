@@ -53,6 +53,8 @@ from kerasmulti._parallel import ParallelModel
 class WorkerModel(ParallelModel):
     """A parallel model whose replicas are all workers' devices; built by `parallelize`."""
 
+    _compiles_replicas = False  # the strategy runs the replicas
+
     def __init__(self, template, strategy):
         self._strategy = strategy
         devices = list(strategy.extended.worker_devices)
@@ -254,7 +256,7 @@ class WorkerModel(ParallelModel):
         for tracker in trackers:
             tracker.update_state = record(tracker)
         try:
-            with _losses.replica_part(share, 1.0, rows, lambda value: context.all_reduce("sum", value)):
+            with _losses.replica_part(share, 1.0, rows, lambda value, by_rows: context.all_reduce("sum", value)):
                 yield
         finally:
             for tracker in trackers:

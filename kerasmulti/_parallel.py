@@ -28,7 +28,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.python.eager import record
 
-from kerasmulti import _losses, _replicas, _split
+from kerasmulti import _compiled, _losses, _replicas, _split
 
 
 class ParallelModel(keras.Model):
@@ -48,6 +48,9 @@ class ParallelModel(keras.Model):
     ```
     """
 
+    # Subclasses whose step is another engine's (a tf.distribute strategy) say False.
+    _compiles_replicas = True
+
     def __init__(self, template, devices, merge_device, **kwargs):
         super().__init__(name=f"parallel_{template.name}", **kwargs)
         self._template = template
@@ -63,19 +66,21 @@ class ParallelModel(keras.Model):
 
         The template is compiled with the same settings and shares the
         optimizer, so it can be evaluated on one device and saved with its
-        training state. XLA compiles a step for one device, which would undo
-        the placement of the replicas, so `jit_compile` stays off with several
-        devices.
+        training state. XLA compiles a step for one device, so with several
+        devices `jit_compile` applies to each replica's part of the step
+        (forward pass, loss and gradients) on its own device
+        (`_compiled.py`): `"auto"` turns it on where Keras would (a GPU),
+        True forces it (CPU devices too), False keeps the uncompiled
+        replicas, whose BatchNormalization statistics are the whole batch's.
         """
-        if jit_compile is True and len(self._replica_devices) > 1:
-            raise ValueError(
-                "A parallel model over several devices cannot be compiled with "
-                "XLA: XLA compiles a step for a single device, which would put "
-                f"every replica on one of the {len(self._replica_devices)} "
-                "devices. Leave jit_compile='auto' (off here) or pass False. "
-                "Received: jit_compile=True"
-            )
         _check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        replicas = len(self._replica_devices)
+        if replicas > 1:
+            run_eagerly = kwargs.get("run_eagerly", False)
+            self._compiled = None
+            if self._compiles_replicas and not run_eagerly and _compiled.resolve(self._template, jit_compile, replicas):
+                self._compiled = _compiled.CompiledReplicas(self)
+            jit_compile = False  # the outer step spans the devices
         super().compile(*args, jit_compile=jit_compile, **kwargs)
         _warn_overrides(self._template, ("train_step", "test_step", "compute_loss", "compute_metrics"))
         # The template is compiled alike, sharing the optimizer: files saved
@@ -88,10 +93,10 @@ class ParallelModel(keras.Model):
             **dict(self._compile_config.config, optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         )
 
-    def _resolve_auto_jit_compile(self):
-        if len(self._replica_devices) > 1:
-            return False
-        return super()._resolve_auto_jit_compile()
+    @property
+    def replica_jit_compile(self) -> bool:
+        """Whether each replica's step is compiled with XLA (see `compile`)."""
+        return getattr(self, "_compiled", None) is not None
 
     @property
     def replica_devices(self) -> list[str]:
@@ -108,6 +113,10 @@ class ParallelModel(keras.Model):
 
         pieces = self._slice(inputs, shards)
         shares = _split.weights(shards, batch)
+        if not training and self.replica_jit_compile:
+            outputs = self._compiled.forward(self._devices_for(shards), pieces, shards, shares, batch)
+            with tf.device(self._merge_device):
+                return _split.merge(outputs, shards)
 
         def replica(i):
             _replicas.set_valid(shards[i].size)
@@ -188,12 +197,18 @@ class ParallelModel(keras.Model):
 
         # Synchronised: the replicas' losses need the whole batch's totals
         # (see _losses), and BatchNormalization its statistics.
-        with self._synchronized(True), _split.deferred_loss_metrics(self) as flush:
-            results = _replicas.run(
-                self._devices_for(shards), replica, True, self.variables
-            )
+        with contextlib.ExitStack() as stack:
+            deferred = stack.enter_context(_split.deferred_loss_metrics(self))
+            if self.replica_jit_compile:
+                scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
+                results = self._compiled.run(
+                    self._devices_for(shards), pieces, shards, shares, batch, training, scale, deferred
+                )
+            else:
+                stack.enter_context(self._synchronized(True))
+                results = _replicas.run(self._devices_for(shards), replica, True, self.variables)
             with tf.device(self._merge_device):
-                flush(batch, shards)
+                deferred.flush(batch, shards)
                 y_pred = _split.merge([r[0] for r in results], shards)
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.

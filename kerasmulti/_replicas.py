@@ -44,6 +44,16 @@ def replica_id() -> int:
     return getattr(_local, "replica", 0)
 
 
+@contextlib.contextmanager
+def as_replica(i: int):
+    """Inside: `replica_id()` is `i` on this thread (a compiled replica's trace)."""
+    _local.replica = i
+    try:
+        yield
+    finally:
+        _local.replica = 0
+
+
 class _Rendezvous:
     """Lets n replica threads swap one value each, as often as they need.
 
@@ -307,8 +317,12 @@ def synchronized(model, bn_layers: list):
             layer.__dict__["_losses"] = losses
 
 
-def cross_replica_sum(value):
-    """`value` summed over the replicas of a synchronised run (not differentiated)."""
+def cross_replica_sum(value, by_rows=False):
+    """`value` summed over the replicas of a synchronised run (not differentiated).
+
+    `by_rows` (whether the value is proportional to the rows) is `_losses`'
+    hint for compiled replicas, which sum without meeting; here every sum meets.
+    """
     rendezvous = getattr(_local, "sync", None)
     if rendezvous is None:
         return value

@@ -159,34 +159,31 @@ def sum_gradients(gradients):
     return tf.add_n(present) if present else None
 
 
-@contextlib.contextmanager
-def deferred_loss_metrics(model):
-    """Per-output loss trackers record the batch's loss once, not per replica.
+class DeferredLossMetrics:
+    """The per-output loss values each replica recorded in one step."""
 
-    Keras' `CompileLoss` updates one Mean per output each time it is called;
-    called per shard it would average the shards' values unweighted. Inside
-    this context the updates are collected per replica (each is the replica's
-    part of the batch's loss, see `_losses`) and `flush(batch)` applies their
-    sum once (per-row values: merged), as one device would.
-    """
-    compile_loss = getattr(model, "_compile_loss", None)
-    metrics = list(getattr(compile_loss, "metrics", None) or [])
-    recorded = {id(m): {} for m in metrics}
-    lock = threading.Lock()
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self._recorded = {id(m): {} for m in metrics}
+        self._lock = threading.Lock()
 
-    def recorder(metric):
-        def update_state(values, sample_weight=None):
-            with lock:
-                recorded[id(metric)][_replicas.replica_id()] = values
+    def record(self, metric, values, replica):
+        with self._lock:
+            self._recorded[id(metric)][replica] = values
 
-        return update_state
+    def of_replica(self, replica) -> dict:
+        """What `replica` recorded, by the metric's index (for a compiled replica to return)."""
+        return {k: self._recorded[id(m)][replica] for k, m in enumerate(self.metrics) if replica in self._recorded[id(m)]}
 
-    for metric in metrics:
-        metric.update_state = recorder(metric)
+    def put(self, replica, recorded: dict) -> None:
+        """Replaces what `replica` recorded, e.g. by a compiled replica's outputs."""
+        for k, values in recorded.items():
+            self.record(self.metrics[int(k)], values, replica)
 
-    def flush(batch, shards):
-        for metric in metrics:
-            values = recorded[id(metric)]
+    def flush(self, batch, shards):
+        """Applies the sum of the replicas' parts once, as one device would."""
+        for metric in self.metrics:
+            values = self._recorded[id(metric)]
             if not values:
                 continue
             parts = [tf.cast(values[i], tf.float32) for i in sorted(values)]
@@ -198,8 +195,31 @@ def deferred_loss_metrics(model):
                 metric, tf.add_n(parts), sample_weight=batch if isinstance(batch, int) else None
             )
 
+
+@contextlib.contextmanager
+def deferred_loss_metrics(model):
+    """Per-output loss trackers record the batch's loss once, not per replica.
+
+    Keras' `CompileLoss` updates one Mean per output each time it is called;
+    called per shard it would average the shards' values unweighted. Inside
+    this context the updates are collected per replica (each is the replica's
+    part of the batch's loss, see `_losses`), and the `DeferredLossMetrics`
+    it yields applies their sum once (`flush`; per-row values: merged), as
+    one device would.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    deferred = DeferredLossMetrics(list(getattr(compile_loss, "metrics", None) or []))
+
+    def recorder(metric):
+        def update_state(values, sample_weight=None):
+            deferred.record(metric, values, _replicas.replica_id())
+
+        return update_state
+
+    for metric in deferred.metrics:
+        metric.update_state = recorder(metric)
     try:
-        yield flush
+        yield deferred
     finally:
-        for metric in metrics:
+        for metric in deferred.metrics:
             del metric.update_state

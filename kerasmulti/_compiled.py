@@ -1,0 +1,251 @@
+"""XLA per replica: each replica's step compiled for its own device.
+
+Keras compiles a step with XLA for one device, so a parallel model cannot
+hand its whole step to XLA. Instead each replica's forward pass, loss and
+gradients are one `tf.function(jit_compile=True)`, called under that
+replica's `tf.device` from the parallel model's (uncompiled) step. The
+function is stateless: it is fed the variables' values, read once by the
+outer step (XLA refuses a resource that lives on another device), runs the
+template under Keras' `StatelessScope`, and returns what the step needs: the
+predictions (and their Keras masks), the replica's part of the loss, its
+gradients, the loss trackers' values and the new non-trainable values.
+
+Replicas cannot meet inside a compiled function, so two things differ from
+the uncompiled path (`_replicas.py`):
+
+- The batch's loss totals. A replica divides its weighted loss sum by the
+  whole batch's total (`_losses.py`). Where that total is proportional to
+  the rows (element counts, no mask, no `"mean_with_sample_weight"` with
+  weights) the replica computes it from its own count: count / rows * batch.
+  Otherwise a first compiled pass per replica (forward and loss only)
+  returns the counts, and their sum is fed to the step: one forward pass
+  more, paid only by such models.
+- BatchNormalization normalises with each replica's own statistics, as
+  `MirroredStrategy` and PyTorch's DDP do by default, and the moving
+  statistics become the mean of the replicas' updates weighted by their rows
+  (so the moving mean is the one-device moving mean; the moving variance is
+  the mean of the replicas' variances). Models with a BatchNormalization
+  layer built with `synchronized=True` keep the exact, uncompiled path.
+
+Every replica draws its own random numbers: replica i's seed generators
+start from the shared state with i added to the seed, and replica 0's
+advanced state is kept.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import tree
+from keras.src import backend
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+from keras.src.trainers.trainer import model_supports_jit
+
+from kerasmulti import _losses, _replicas
+
+
+def synchronized_batchnorm(template) -> list:
+    """The BatchNormalization layers built with `synchronized=True`."""
+    return [layer for layer in _replicas.batchnorm_layers(template) if getattr(layer, "synchronized", False)]
+
+
+def resolve(template, jit_compile, replicas: int) -> bool:
+    """Whether a parallel model over `replicas` devices compiles its replicas with XLA.
+
+    `"auto"` follows Keras (on where there is a GPU and every layer supports
+    XLA) but stays off where the exact path is asked for by a
+    BatchNormalization layer with `synchronized=True`.
+    """
+    if replicas < 2 or jit_compile is False:
+        return False
+    blockers = _blockers(template)
+    if jit_compile == "auto":
+        return not blockers and template._resolve_auto_jit_compile()
+    if jit_compile is not True:
+        raise ValueError(
+            "jit_compile must be True, False or 'auto'. Pass one of those. "
+            f"Received: jit_compile={jit_compile!r}"
+        )
+    if blockers:
+        raise ValueError(
+            f"A parallel model cannot compile its replicas with XLA: {blockers}. "
+            "Pass jit_compile=False (exact, uncompiled replicas) or 'auto'. "
+            "Received: jit_compile=True"
+        )
+    return True
+
+
+def _blockers(template) -> str:
+    synchronized = synchronized_batchnorm(template)
+    if synchronized:
+        names = [layer.name for layer in synchronized]
+        return (
+            f"BatchNormalization layer(s) {names} were built with synchronized=True, "
+            "whose statistics need every replica, which a compiled replica cannot reach"
+        )
+    if not model_supports_jit(template):
+        return "the model has layers that do not support XLA (layers placed with device_scope or on_device)"
+    return ""
+
+
+class _Totals:
+    """The batch's loss totals as one replica computes them inside its function.
+
+    Called by `_losses` once per loss reduction, in the same order on every
+    replica. `given` holds the summed counts from a counting pass, for
+    totals that are not proportional to the rows.
+    """
+
+    def __init__(self, rows, batch, given):
+        self.rows, self.batch, self.given = rows, batch, given
+        self.counts = []
+        self.needs_counts = False
+
+    def __call__(self, value, by_rows: bool):
+        index = len(self.counts)
+        self.counts.append(tf.cast(value, tf.float32))
+        if not by_rows:
+            self.needs_counts = True
+            if self.given is not None:
+                return tf.cast(self.given[index], value.dtype)
+        # value / rows is what one row contributes, the same on every replica.
+        return tf.math.divide_no_nan(value, tf.cast(self.rows, value.dtype)) * tf.cast(self.batch, value.dtype)
+
+
+class CompiledReplicas:
+    """Runs a parallel model's replicas as XLA functions; one per model.
+
+    Args:
+        model: The `ParallelModel`, whose `_compute_loss` (and loss trackers)
+            the replicas use, and whose template they run.
+    """
+
+    def __init__(self, model):
+        self._model = model
+        self._template = model._template
+        self._step = tf.function(self._replica, jit_compile=True, reduce_retracing=True)
+        self._needs_counts = {}
+        seed_states = [
+            generator.state
+            for layer in self._template._flatten_layers(include_self=True, recursive=True)
+            for generator in getattr(layer, "_seed_generators", [])
+        ]
+        seed_ids = {id(state) for state in seed_states}
+        self._is_seed = [id(v) in seed_ids for v in self._template.non_trainable_variables]
+
+    def forward(self, devices, pieces, shards, shares, batch):
+        """Every replica's inference forward pass (`training=False`); their outputs."""
+        pieces = [(x, None, None) for x in pieces]
+        results = self._call_all(devices, self._arguments(pieces, shards, shares, batch, False, 1.0), None, False, "forward")
+        return [_with_masks(r["y_pred"], r["masks"]) for r in results]
+
+    def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred):
+        """Every replica's step; returns `(y_pred, loss, gradients)` per replica.
+
+        The loss trackers' values go to `deferred` (`_split.DeferredLossMetrics`).
+        Non-trainable updates (BatchNormalization, seed states) are assigned
+        to the template after a training step.
+        """
+        arguments = self._arguments(pieces, shards, shares, batch, training, loss_scale)
+        key = (training, pieces[0][2] is None)
+        self._deferred = deferred
+        if key not in self._needs_counts:
+            # Tracing alone tells whether a total needs the other replicas' counts.
+            with _replicas.as_replica(0):
+                self._step.get_concrete_function(*arguments[0], None, training, "count")
+            self._needs_counts[key] = self._traced_needs_counts
+        totals = None
+        if self._needs_counts[key]:
+            counts = self._call_all(devices, arguments, None, training, "count")
+            with tf.device(self._model._merge_device):
+                totals = tf.add_n([c["counts"] for c in counts])
+        results = self._call_all(devices, arguments, totals, training, "step")
+        for i, r in enumerate(results):
+            deferred.put(i, r["tracked"])
+        if training:
+            self._assign_state(results, shares)
+        return [(_with_masks(r["y_pred"], r["masks"]), r["loss"], r["gradients"]) for r in results]
+
+    def _arguments(self, pieces, shards, shares, batch, training, loss_scale):
+        """Each replica's arguments: the variables' values, its rows, its scalars."""
+        trainable = [tf.convert_to_tensor(v) for v in self._template.trainable_variables] if training else []
+        frozen = [tf.convert_to_tensor(v) for v in self._template.trainable_variables] if not training else []
+        non_trainable = [tf.convert_to_tensor(v) for v in self._template.non_trainable_variables]
+        batch = tf.cast(batch, tf.float32)
+        loss_scale = tf.cast(loss_scale, tf.float32)
+        arguments = []
+        for i, shard in enumerate(shards):
+            x, y, sample_weight = pieces[i]
+            state = [self._seeded(v, i) if seed else v for v, seed in zip(non_trainable, self._is_seed)]
+            scalars = [tf.cast(value, tf.float32) for value in (shares[i], _valid(shard), shard.take)]
+            arguments.append((trainable, frozen, state, x, y, sample_weight, *scalars, batch, loss_scale))
+        return arguments
+
+    def _call_all(self, devices, arguments, totals, training, mode):
+        results = []
+        for i, device in enumerate(devices):
+            with tf.device(device), tf.name_scope(f"replica_{i}"), _replicas.as_replica(i):
+                results.append(self._step(*arguments[i], totals, training, mode))
+        return results
+
+    @staticmethod
+    def _seeded(state, replica):
+        if replica == 0:
+            return state
+        return state + tf.constant([replica, 0], dtype=state.dtype)
+
+    def _assign_state(self, results, shares):
+        """The replicas' non-trainable values, weighted by their rows (seeds: replica 0's)."""
+        for k, variable in enumerate(self._template.non_trainable_variables):
+            first = results[0]["state"][k]
+            if self._is_seed[k] or not first.dtype.is_floating:
+                variable.assign(first)
+                continue
+            # first + sum(share * (v - first)): equal values stay bit for bit.
+            spread = [tf.cast(s, first.dtype) * (r["state"][k] - first) for r, s in zip(results[1:], shares[1:])]
+            variable.assign(first + tf.add_n(spread) if spread else first)
+
+    def _replica(
+        self, trainable, frozen, state, x, y, sample_weight, share, valid, rows, batch, loss_scale,
+        totals, training, mode,
+    ):
+        """One replica's work, traced for XLA: `mode` is "step", "count" or "forward"."""
+        template = self._template
+        mapping = list(zip(template.trainable_variables, trainable or frozen))
+        mapping += list(zip(template.non_trainable_variables, state))
+        local = _Totals(rows, batch, totals)
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(trainable)
+            with backend.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                y_pred = template(x, training=training)
+                if mode == "forward":
+                    return {"y_pred": y_pred, "masks": tree.map_structure(get_keras_mask, y_pred)}
+                with _losses.replica_part(share, valid, rows, local):
+                    loss = self._model._compute_loss(
+                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+                    )
+                scaled = loss * tf.cast(loss_scale, loss.dtype)
+        self._traced_needs_counts = local.needs_counts
+        if mode == "count":
+            return {"counts": tf.stack(local.counts) if local.counts else tf.zeros((0,))}
+        gradients = tape.gradient(scaled, trainable) if trainable else []
+        gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        return {
+            "y_pred": y_pred,
+            "masks": tree.map_structure(get_keras_mask, y_pred),
+            "loss": loss,
+            "gradients": gradients,
+            "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
+            "state": [scope.get_current_value(v) for v in template.non_trainable_variables],
+        }
+
+
+def _valid(shard):
+    return shard.size > 0 if not isinstance(shard.size, int) else float(shard.size > 0)
+
+
+def _with_masks(y_pred, masks):
+    flat_masks = tree.flatten(masks) if masks is not None else []
+    for tensor, mask in zip(tree.flatten(y_pred), flat_masks):
+        if mask is not None:
+            set_keras_mask(tensor, mask)
+    return y_pred
