@@ -2,6 +2,9 @@
 
 Batch sizes 1, n-1, n and a remainder (10 samples in batches of 4 over 3
 devices) cover idle replicas, uneven shards and the retraced last batch.
+Each runs with uncompiled replicas and with XLA per replica (`jit=True`);
+BatchNormalization under XLA normalises per replica, which
+`test_compiled.py` checks against its own reference.
 """
 
 import keras
@@ -15,6 +18,12 @@ from conftest import DEVICES
 
 BATCH_SIZES = [1, DEVICES - 1, DEVICES, 4]
 SAMPLES = 10
+# Every case uncompiled, and under XLA per replica all but BatchNormalization.
+CASES_AND_JIT = [(case, False) for case in CASES] + [(case, True) for case in CASES if case.name != "batchnorm"]
+
+
+def _ids(value):
+    return getattr(value, "name", None) or ("xla" if value is True else "plain" if value is False else None)
 
 
 def _setup(case, seed=7):
@@ -25,10 +34,13 @@ def _setup(case, seed=7):
     return reference, template, parallel, x, y
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,jit", CASES_AND_JIT, ids=_ids)
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
-def test_predict_matches_template(case, batch_size):
+def test_predict_matches_template(case, jit, batch_size):
     reference, template, parallel, x, _ = _setup(case)
+    if jit:
+        parallel.compile(**case.compile_kwargs(), jit_compile=True)
+        assert parallel.replica_jit_compile
     expected = reference.predict(x, batch_size=batch_size, verbose=0)
     got = parallel.predict(x, batch_size=batch_size, verbose=0)
     for e, g in zip(keras.tree.flatten(expected), keras.tree.flatten(got)):
@@ -39,12 +51,13 @@ def test_predict_matches_template(case, batch_size):
     )
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,jit", CASES_AND_JIT, ids=_ids)
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
-def test_fit_and_evaluate_match_template(case, batch_size):
+def test_fit_and_evaluate_match_template(case, jit, batch_size):
     reference, template, parallel, x, y = _setup(case)
     reference.compile(**case.compile_kwargs())
-    parallel.compile(**case.compile_kwargs())
+    parallel.compile(**case.compile_kwargs(), jit_compile=jit)
+    assert parallel.replica_jit_compile is jit
     fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     expected = reference.fit(x, y, **fit).history
     got = parallel.fit(x, y, **fit).history
@@ -150,12 +163,14 @@ def test_plain_call_inside_tf_function_matches():
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", [CASES[0], next(c for c in CASES if c.name == "batchnorm")], ids=lambda c: c.name)
-def test_several_steps_per_execution_match_template(case):
+@pytest.mark.parametrize(
+    "case,jit", [(CASES[0], False), (next(c for c in CASES if c.name == "batchnorm"), False), (CASES[0], True)], ids=_ids
+)
+def test_several_steps_per_execution_match_template(case, jit):
     # Keras then traces the step inside a loop; replicas trace on threads there too.
     reference, template, parallel, x, y = _setup(case)
-    for model in (reference, parallel):
-        model.compile(**case.compile_kwargs(), steps_per_execution=3)
+    reference.compile(**case.compile_kwargs(), steps_per_execution=3)
+    parallel.compile(**case.compile_kwargs(), steps_per_execution=3, jit_compile=jit)
     # Batches of 4, not 2: two rows' BatchNormalization statistics amplify the
     # last-bit differences of convolutions on sub-batches (about 1 run in 16
     # then exceeded the tolerance, before and after this test's changes).
@@ -164,13 +179,15 @@ def test_several_steps_per_execution_match_template(case):
     assert_same_weights(reference, template)
 
 
-@pytest.mark.parametrize("case", [CASES[0], next(c for c in CASES if c.name == "batchnorm")], ids=lambda c: c.name)
-def test_mixed_precision_matches_template(case):
+@pytest.mark.parametrize(
+    "case,jit", [(CASES[0], False), (next(c for c in CASES if c.name == "batchnorm"), False), (CASES[0], True)], ids=_ids
+)
+def test_mixed_precision_matches_template(case, jit):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         reference, template, parallel, x, y = _setup(case)
-        for model in (reference, parallel):
-            model.compile(**case.compile_kwargs())
+        reference.compile(**case.compile_kwargs())
+        parallel.compile(**case.compile_kwargs(), jit_compile=jit)
         fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
         expected, got = reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history
     finally:

@@ -166,9 +166,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "xla"])
 @pytest.mark.parametrize("batch_size", [DEVICES - 1, 4])
 @pytest.mark.parametrize("name,build,data,loss,weights", CASES, ids=[c[0] for c in CASES])
-def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, batch_size):
+def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, batch_size, jit):
     reference, template = build(5), build(5)
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)
     rng = np.random.default_rng()
@@ -176,7 +177,8 @@ def test_fit_and_evaluate_match_one_device(name, build, data, loss, weights, bat
     sample_weight = weights(rng) if weights else None
     for model in (reference, parallel):
         loss_weights = {"tags": 1.0, "score": 0.5} if name == "masked_and_sum_heads" else None
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss(), loss_weights=loss_weights)
+        extra = dict(jit_compile=jit) if model is parallel else {}
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=loss(), loss_weights=loss_weights, **extra)
     fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0, sample_weight=sample_weight)
     assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
     assert_same_weights(reference, template)

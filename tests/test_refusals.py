@@ -62,18 +62,6 @@ def test_scalar_and_missing_inputs_are_refused_by_the_splitter():
         _split.batch_size([None])
 
 
-def test_xla_is_refused_with_several_devices_and_off_by_default():
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    parallel = kerasmulti.parallelize(model, gpus=2)
-    with pytest.raises(ValueError, match=r"cannot be compiled with XLA.*Received: jit_compile=True"):
-        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    parallel.compile(optimizer="sgd", loss="mse")
-    assert parallel.jit_compile is False
-    single = kerasmulti.parallelize(model, gpus=1)
-    single.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    assert single.jit_compile is True
-
-
 def test_batch_sizes_that_disagree_at_run_time_are_refused():
     import tensorflow as tf
 
