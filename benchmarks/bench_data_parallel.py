@@ -28,6 +28,10 @@ of skewing one of them; the median over repeats is reported. The script prints
 whether the targets are met but always exits 0: a benchmark reports, it does
 not fail.
 
+Last, "plain arrays": the bare model and parallelize(gpus=N) trained with
+`fit(x, y)` on numpy arrays, as users call it, interleaved: Keras' own array
+pipeline for the bare model, the parallel model's steady one for it.
+
 Usage:
     python benchmarks/bench_data_parallel.py [--devices 2] [--repeats 3] [--quick]
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import check, configure_devices, make_parser, median, print_environment, print_train_predict_table
@@ -140,6 +145,40 @@ def benchmark(variants: list[Variant], sizes: Sizes) -> None:
     timed_rounds(variants, sizes.repeats, lambda v: run_once(v, x, y, sizes.batch_size, record=True))
 
 
+def time_fit_on_arrays(variant: Variant, x, y, batch_size: int) -> float:
+    """One epoch of `fit(x, y)` on numpy arrays, as users call it."""
+    with variant.scope():
+        start = time.perf_counter()
+        history = variant.model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
+        float(history.history["loss"][-1])
+        return len(x) / (time.perf_counter() - start)
+
+
+def benchmark_arrays(variants: list[Variant], sizes: Sizes, n: int) -> None:
+    """Bare against parallelize(gpus=N), both fed numpy arrays directly.
+
+    Keras' autotuned array pipeline stalls at random epoch ends (see
+    `kerasmulti._feeding`); a parallel model feeds arrays without autotuning.
+    The bare model gets Keras' own pipeline: this is what users see.
+    """
+    pair = [variants[0], variants[2]]
+    if any(v.error for v in pair):
+        print("\nPlain arrays: skipped (a variant failed)")
+        return
+    x, y = make_data(sizes.samples)
+    speeds = {v.name: [] for v in pair}
+    for v in pair:  # warm-up: Keras' array pipeline traces its own step once
+        time_fit_on_arrays(v, x, y, sizes.batch_size)
+    timed_rounds(pair, sizes.repeats, lambda v: speeds[v.name].append(time_fit_on_arrays(v, x, y, sizes.batch_size)))
+    bare, many = speeds[pair[0].name], speeds[pair[1].name]
+    ratios = [m / b for m, b in zip(many, bare)]
+    print(f"\nPlain arrays, fit(x, y), samples/s: bare {median(bare):.0f}, "
+          f"parallelize(gpus={n}) {median(many):.0f}, {median(many) / median(bare):.2f}x")
+    print("  per repeat, x bare: " + " ".join(f"{r:.2f}" for r in ratios))
+    check(f"{n}-device fit on arrays >= 1.25x bare", median(many), scaled(median(bare), 1.25), "samples/s")
+    print(f"  every repeat >= 1.1x: {'met' if min(ratios) >= 1.1 else 'not met'} (lowest {min(ratios):.2f}x)")
+
+
 def print_table(variants: list[Variant]) -> None:
     print_train_predict_table(variants, "x bare", 24)
 
@@ -187,6 +226,7 @@ def main(argv=None) -> int:
     print()
     print_table(variants)
     print_checks(variants, args.devices)
+    benchmark_arrays(variants, sizes, args.devices)
     return 0
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import contextlib
 import time
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import Sizes, TrainPredictVariant, check, configure_devices, make_parser, median
+from _common import Sizes, TrainPredictVariant, check, configure_devices, fmt, make_parser, median
 from _common import print_environment, print_train_predict_table, record_failure, run_once
 from _common import run_reporting, scaled, timed_rounds, warn_missing_devices
 
@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 SEED = 1234
+_STRATEGIES = {}
 
 
 class Variant(TrainPredictVariant):
@@ -113,7 +114,9 @@ def make_variants(build, devices: list[str], n: int) -> list[Variant]:
         )
 
     def mirrored():
-        strategy = tf.distribute.MirroredStrategy(devices=devices)
+        # One strategy for the whole run: a second one in the same process
+        # reuses the first one's collective keys, and its all-reduce fails.
+        strategy = _STRATEGIES.setdefault(tuple(devices), tf.distribute.MirroredStrategy(devices=devices))
         template = seeded()
         with strategy.scope():
             model = keras.models.clone_model(template)
@@ -169,8 +172,10 @@ def print_checks(variants: list[Variant], policy: str, n: int) -> None:
     check(f"parallelize(gpus={n}) XLA fit >= {bar}x bare XLA", median(compiled.train), scaled(median(xla.train), bar), unit)
     check("parallelize(gpus=1) fit >= 0.97x bare XLA", median(one.train), scaled(median(xla.train), 0.97), unit)
     check("parallelize(gpus=1) predict >= 0.97x bare XLA", median(one.predict), scaled(median(xla.predict), 0.97), unit)
-    first = compiled.first_epoch_s
-    check("first epoch <= 1.5x bare XLA's", scaled(xla.first_epoch_s, 1.5), first, "s")
+    first, bound = compiled.first_epoch_s, scaled(xla.first_epoch_s, 1.5)
+    verdict = "not met (a variant failed)" if first is None or bound is None else "met" if first <= bound else "not met"
+    print(f"  parallelize(gpus={n}) XLA first epoch <= 1.5x bare XLA's: {verdict} "
+          f"({fmt(first, '.1f')} vs {fmt(bound, '.1f')} s)")
 
 
 def run_one(name: str, policy: str, devices: list[str], n: int, sizes: Sizes, quick: bool) -> None:

@@ -149,9 +149,10 @@ class CompiledReplicas:
         key = (training, pieces[0][2] is None)
         self._deferred = deferred
         if key not in self._needs_counts:
-            # Tracing alone tells whether a total needs the other replicas' counts.
+            # Tracing alone tells whether a total needs the other replicas'
+            # counts; where none does (most models), this trace is the step's.
             with _replicas.as_replica(0):
-                self._step.get_concrete_function(*arguments[0], None, training, "count")
+                self._step.get_concrete_function(*arguments[0], None, training, "step")
             self._needs_counts[key] = self._traced_needs_counts
         totals = None
         if self._needs_counts[key]:

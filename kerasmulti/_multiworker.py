@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import os
 import random
 import tempfile
@@ -46,14 +45,14 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from kerasmulti import _cluster, _losses, _sources, _split
+from kerasmulti import _cluster, _feeding, _losses, _sources, _split
 from kerasmulti._parallel import ParallelModel
 
 
 class WorkerModel(ParallelModel):
     """A parallel model whose replicas are all workers' devices; built by `parallelize`."""
 
-    _compiles_replicas = False  # the strategy runs the replicas
+    _runs_replicas = False  # the strategy runs the replicas
 
     def __init__(self, template, strategy):
         self._strategy = strategy
@@ -110,7 +109,7 @@ class WorkerModel(ParallelModel):
         done, so uneven sizes train as one process would on the workers'
         batches put together.
         """
-        kwargs = _bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        kwargs = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         x, y, batch_size = kwargs.pop("x"), kwargs.pop("y"), kwargs.pop("batch_size")
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
@@ -127,13 +126,13 @@ class WorkerModel(ParallelModel):
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
-        kwargs = _bound(keras.Model.evaluate, args, kwargs)
+        kwargs = _feeding.bound(keras.Model.evaluate, args, kwargs)
         kwargs["x"] = _worker_input(kwargs["x"])
         return self._on_all_workers(super().evaluate, (), kwargs)
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
-        kwargs = _bound(keras.Model.predict, args, kwargs)
+        kwargs = _feeding.bound(keras.Model.predict, args, kwargs)
         kwargs["x"] = _worker_input(kwargs["x"])
         return self._on_all_workers(super().predict, (), kwargs)
 
@@ -413,16 +412,6 @@ def _shuffle_seed() -> int:
     """
     digest = hashlib.sha256(repr(random.getstate()).encode()).digest()
     return int.from_bytes(digest[:4], "little") % (2**31 - 1)
-
-
-def _bound(method, args, kwargs) -> dict:
-    """`args` and `kwargs` of a call to `method` as keywords, defaults filled in."""
-    bound = inspect.signature(method).bind(None, *args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    arguments.pop(next(iter(arguments)))  # self
-    arguments.update(arguments.pop("kwargs", {}))
-    return arguments
 
 
 def _worker_input(data):

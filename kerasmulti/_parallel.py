@@ -28,7 +28,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.python.eager import record
 
-from kerasmulti import _compiled, _losses, _replicas, _split
+from kerasmulti import _compiled, _feeding, _losses, _replicas, _split
 
 
 class ParallelModel(keras.Model):
@@ -48,8 +48,9 @@ class ParallelModel(keras.Model):
     ```
     """
 
-    # Subclasses whose step is another engine's (a tf.distribute strategy) say False.
-    _compiles_replicas = True
+    # False in subclasses whose replicas another engine runs (a tf.distribute
+    # strategy): they neither compile replicas nor feed arrays themselves.
+    _runs_replicas = True
 
     def __init__(self, template, devices, merge_device, **kwargs):
         super().__init__(name=f"parallel_{template.name}", **kwargs)
@@ -78,7 +79,7 @@ class ParallelModel(keras.Model):
         if replicas > 1:
             run_eagerly = kwargs.get("run_eagerly", False)
             self._compiled = None
-            if self._compiles_replicas and not run_eagerly and _compiled.resolve(self._template, jit_compile, replicas):
+            if self._runs_replicas and not run_eagerly and _compiled.resolve(self._template, jit_compile, replicas):
                 self._compiled = _compiled.CompiledReplicas(self)
             jit_compile = False  # the outer step spans the devices
         super().compile(*args, jit_compile=jit_compile, **kwargs)
@@ -92,6 +93,27 @@ class ParallelModel(keras.Model):
         self._template.compile(
             **dict(self._compile_config.config, optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         )
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`_feeding`)."""
+        arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        if self._runs_replicas:
+            arguments = _feeding.fit_arguments(arguments)
+        return super().fit(**arguments)
+
+    def evaluate(self, *args, **kwargs):
+        """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
+        arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        if self._runs_replicas:
+            arguments = _feeding.evaluate_arguments(arguments)
+        return super().evaluate(**arguments)
+
+    def predict(self, *args, **kwargs):
+        """Predicts as `keras.Model.predict`; arrays go through a steady pipeline."""
+        arguments = _feeding.bound(keras.Model.predict, args, kwargs)
+        if self._runs_replicas:
+            arguments = _feeding.predict_arguments(arguments)
+        return super().predict(**arguments)
 
     @property
     def replica_jit_compile(self) -> bool:

@@ -70,7 +70,11 @@ def parallelize(
     with `fit` or `train_on_batch`: under your own `GradientTape`, a call
     with `training=True` raises, since its replicas run on threads.
     With one device it is a pass-through, so code written for N GPUs runs on
-    a laptop.
+    a laptop. On GPUs, `compile()` keeps Keras' default XLA: each replica's
+    forward pass, loss and gradients are compiled for its own device
+    (`jit_compile="auto"`; `False` keeps uncompiled replicas). Compiled
+    replicas normalise BatchNormalization per replica, as `MirroredStrategy`
+    does; uncompiled ones with the whole batch's statistics.
 
     In a process started as a worker of a cluster (`TF_CONFIG`, e.g. by
     `kerasmulti launch`), the model is adopted into

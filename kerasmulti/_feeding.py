@@ -1,0 +1,92 @@
+"""Arrays in, steady speed out: the parallel model's own input pipeline.
+
+Keras feeds numpy arrays to `fit`, `evaluate` and `predict` through an
+autotuned `tf.data` pipeline. In TensorFlow 2.21, when such a pipeline's
+iterator is torn down at the end of an epoch, the main thread waits for its
+autotuning thread (about a second on 2 busy CPU cores), and whether that
+wait lands inside the next timed epoch is chance: epochs ran at one of two
+speeds, and a parallel model's speed-up over one device read anywhere from
+0.7x to 2x (benchmarks/README.md). A parallel model builds the very same
+pipeline (Keras' own `ArrayDataAdapter`: the same batches, shuffling, class
+weights and float casting) with autotuning off, and hands Keras the dataset.
+
+Only arrays are converted (numpy, lists and dicts of them, what Keras'
+array adapter takes), and only where Keras would feed them through that
+pipeline unchanged: not with `steps_per_epoch` or `steps`. A `PyDataset`,
+a generator or a `tf.data` pipeline reaches Keras as given.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import tensorflow as tf
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+
+
+def bound(method, args, kwargs) -> dict:
+    """`args` and `kwargs` of a call to `method` as keywords, defaults filled in."""
+    bound_arguments = inspect.signature(method).bind(None, *args, **kwargs)
+    bound_arguments.apply_defaults()
+    arguments = dict(bound_arguments.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+def _arrays(*structures) -> bool:
+    present = [s for s in structures if s is not None]
+    return bool(present) and array_data_adapter.can_convert_arrays(present)
+
+
+def pipeline(x, y=None, sample_weight=None, batch_size=None, shuffle=False, class_weight=None) -> tf.data.Dataset:
+    """Keras' pipeline for arrays, with autotuning off and its length known."""
+    adapter = array_data_adapter.ArrayDataAdapter(
+        x, y, sample_weight=sample_weight, batch_size=batch_size or 32, shuffle=shuffle, class_weight=class_weight
+    )
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+    return dataset.with_options(options)
+
+
+def fit_arguments(arguments: dict) -> dict:
+    """`fit`'s keyword arguments, with arrays (and validation arrays) as pipelines."""
+    x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
+    if arguments["steps_per_epoch"] is not None or not _arrays(x, y, sample_weight):
+        return arguments
+    arguments = dict(arguments)
+    validation_data, split = arguments["validation_data"], arguments["validation_split"]
+    if split and validation_data is None:
+        # As Keras splits arrays: the last rows, before any shuffling.
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=split
+        )
+    batch_size = arguments["batch_size"]
+    arguments.update(
+        x=pipeline(x, y, sample_weight, batch_size, arguments["shuffle"], arguments["class_weight"]),
+        y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False, validation_split=0.0,
+    )
+    if validation_data is not None and arguments["validation_steps"] is None:
+        val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        if _arrays(val_x, val_y, val_weight):
+            validation_data = pipeline(val_x, val_y, val_weight, arguments["validation_batch_size"] or batch_size)
+            arguments["validation_batch_size"] = None
+    arguments["validation_data"] = validation_data
+    return arguments
+
+
+def evaluate_arguments(arguments: dict) -> dict:
+    """`evaluate`'s keyword arguments, with arrays as a pipeline."""
+    x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
+    if arguments["steps"] is not None or not _arrays(x, y, sample_weight):
+        return arguments
+    data = pipeline(x, y, sample_weight, arguments["batch_size"])
+    return dict(arguments, x=data, y=None, sample_weight=None, batch_size=None)
+
+
+def predict_arguments(arguments: dict) -> dict:
+    """`predict`'s keyword arguments, with arrays as a pipeline."""
+    if arguments["steps"] is not None or not _arrays(arguments["x"]):
+        return arguments
+    return dict(arguments, x=pipeline(arguments["x"], batch_size=arguments["batch_size"]), batch_size=None)

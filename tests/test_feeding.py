@@ -1,0 +1,126 @@
+"""Arrays reach a parallel model's fit, evaluate and predict as a steady pipeline.
+
+What Keras receives is recorded (its `fit`, `evaluate` and `predict` are
+spied on): a `tf.data` pipeline with autotuning off and a known length, in
+place of the arrays. The numbers are the template's on one device
+(`test_conformance.py` feeds arrays throughout); here also with a
+validation split, validation arrays and their own batch size.
+"""
+
+import functools
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras.src.trainers.data_adapters import array_data_adapter
+
+import kerasmulti
+from kerasmulti import _feeding
+from cases import assert_same_logs, assert_same_weights
+from conftest import DEVICES
+
+
+def _model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+
+
+def _data(rows=22, seed=8):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(rows, 4)).astype("float32"), rng.normal(size=(rows, 1)).astype("float32")
+
+
+@pytest.fixture
+def received(monkeypatch):
+    """What Keras' own fit, evaluate and predict were given, by method name."""
+    seen = {}
+    for name in ("fit", "evaluate", "predict"):
+        original = getattr(keras.Model, name)
+
+        @functools.wraps(original)  # the signature stays Keras'
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            seen[_name] = kwargs
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(keras.Model, name, spy)
+    return seen
+
+
+def _is_steady(dataset, batches):
+    assert isinstance(dataset, tf.data.Dataset)
+    assert dataset.options().autotune.enabled is False
+    assert int(dataset.cardinality()) == batches
+
+
+def test_arrays_become_a_pipeline_without_autotuning(received):
+    x, y = _data()
+    parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    parallel.fit(x, y, batch_size=5, epochs=1, verbose=0, validation_data=(x[:7], y[:7]), validation_batch_size=3)
+    _is_steady(received["fit"]["x"], 5)
+    _is_steady(received["fit"]["validation_data"], 3)
+    assert received["fit"]["y"] is None and received["fit"]["shuffle"] is False
+    parallel.evaluate(x, y, batch_size=4, verbose=0)
+    _is_steady(received["evaluate"]["x"], 6)
+    parallel.predict(x, batch_size=10, verbose=0)
+    _is_steady(received["predict"]["x"], 3)
+
+
+def test_steps_and_datasets_reach_keras_as_given(received):
+    x, y = _data()
+    parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    parallel.fit(x, y, batch_size=4, steps_per_epoch=2, epochs=1, verbose=0)
+    assert received["fit"]["x"] is x
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    parallel.evaluate(dataset, verbose=0)
+    assert received["evaluate"]["x"] is dataset
+    parallel.predict(x, steps=2, batch_size=4, verbose=0)
+    assert received["predict"]["x"] is x
+
+
+def test_no_warning_from_our_own_pipeline():
+    x, y = _data()
+    parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel.fit(x, y, batch_size=4, epochs=2, verbose=0)  # shuffle=True, Keras' default
+        parallel.predict(x, verbose=0)
+    assert not [str(w.message) for w in caught if "shuffle" in str(w.message) or "ran out of data" in str(w.message)]
+
+
+@pytest.mark.parametrize("validation", ["split", "arrays_with_weights"])
+def test_validation_matches_one_device(validation):
+    x, y = _data(30)
+    weights = np.random.default_rng(2).uniform(0.5, 2.0, size=len(x)).astype("float32")
+    reference, template = _model(), _model()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    if validation == "split":
+        fit["validation_split"] = 0.3
+    else:
+        fit.update(validation_data=(x[:9], y[:9], weights[:9]), validation_batch_size=2)
+    expected, got = reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history
+    assert "val_loss" in got
+    assert_same_logs(expected, got)
+    assert_same_weights(reference, template)
+
+
+def _rows(dataset):
+    return [int(v) for batch in dataset for v in np.asarray(batch[0])[:, 0]]
+
+
+def test_shuffling_is_keras_own():
+    # Keras' array pipeline, seeded alike, gives the same order: every row once.
+    x = np.arange(12, dtype="float32").reshape(12, 1)
+    keras.utils.set_random_seed(5)
+    ours = _rows(_feeding.fit_arguments(_feeding.bound(keras.Model.fit, (x, x), dict(batch_size=5)))["x"])
+    keras.utils.set_random_seed(5)
+    adapter = array_data_adapter.ArrayDataAdapter(x, x, batch_size=5, shuffle=True)
+    assert ours == _rows(adapter.get_tf_dataset())
+    assert sorted(ours) == list(range(12)) and ours != list(range(12))
