@@ -167,7 +167,7 @@ def print_first_epochs(variants: list[Variant]) -> None:
 def print_checks(variants: list[Variant], policy: str, n: int) -> None:
     xla, one, compiled = variants[1], variants[2], variants[4]
     bar = 0.8 if policy == "mixed_float16" else 0.85
-    print("\nTargets (issue #13):")
+    print("\nTargets:")
     unit = "samples/s"
     check(f"parallelize(gpus={n}) XLA fit >= {bar}x bare XLA", median(compiled.train), scaled(median(xla.train), bar), unit)
     check("parallelize(gpus=1) fit >= 0.97x bare XLA", median(one.train), scaled(median(xla.train), 0.97), unit)
