@@ -63,9 +63,8 @@ def configure_devices(n: int) -> list[str]:
     if gpus:
         return kerasmulti.available_devices()[:n]
     # One thread per op and N concurrent ops: the one-device baseline gets one
-    # core, N replicas get N, as N GPUs would give N times the compute. Threading
-    # goes first: simulate_devices() lists the devices it made, which
-    # initialises TensorFlow, after which threading can no longer change.
+    # core, N replicas get N, as N GPUs would give N times the compute.
+    # TensorFlow fixes threading when it starts, so it is set here, first.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(n)
     return kerasmulti.simulate_devices(n)[:n]

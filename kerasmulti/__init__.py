@@ -13,6 +13,7 @@ Public API (everything else is private):
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
 - `ParallelBackupAndRestore`: `BackupAndRestore` that resumes a parallel model exactly.
 - `DeviceError`: a device request this machine cannot satisfy (a ValueError).
+- `initialize()`: join the cluster that `TF_CONFIG` names (workers of `kerasmulti launch` join at import).
 - `is_chief()`, `ClusterError`: in a cluster, the process that writes; a cluster that cannot go on.
 - `LaunchError`: a launch request that cannot be started (a ValueError).
 """
@@ -33,6 +34,7 @@ _simulate_from_environment()
 
 from kerasmulti import _cluster  # noqa: E402
 from kerasmulti._cluster import ClusterError  # noqa: E402
+from kerasmulti._cluster import initialize  # noqa: E402
 from kerasmulti._cluster import is_chief  # noqa: E402
 
 _cluster.start()  # before TensorFlow's first op, which building a model runs
@@ -65,6 +67,7 @@ __all__ = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "initialize",
     "is_chief",
     "launch",
     "on_device",

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _simulate_without_gpus(requested: int | None) -> None:
+def _simulate_without_gpus(requested: int | None, pin_threads: bool) -> None:
     import tensorflow as tf
 
     import kerasmulti
@@ -66,11 +66,13 @@ def _simulate_without_gpus(requested: int | None) -> None:
         if tf.config.list_physical_devices("GPU"):
             return
         requested = int(os.environ.get(kerasmulti._devices.ENV_SIMULATE) or DEFAULT_SIMULATED)
-    # One thread per simulated device, as if each were one core: throughput
-    # against "one device" then compares like with like (benchmarks/ does too).
-    # Threading, like devices, is fixed once TensorFlow starts, so it goes first.
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(requested)
+    if pin_threads:
+        # The demo's throughput: one thread per simulated device, as if each
+        # were one core, so "one device" compares like with like (benchmarks/
+        # does too). Threading, like devices, is fixed once TensorFlow
+        # starts, so it goes first. Other commands keep TensorFlow's threads.
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(requested)
     kerasmulti.simulate_devices(requested)
 
 
@@ -86,7 +88,7 @@ def _launch(args) -> int:
             )
         _refuse_local_options(args)
         hosts = _launch.parse_hosts(args.hosts, args.index)
-        env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index)}
+        env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index), _launch.ENV_JOIN: "1"}
         return _launch.run_one(command, env)
     if args.index is not None:
         raise _launch.LaunchError(
@@ -96,7 +98,8 @@ def _launch(args) -> int:
         )
     if args.workers is None and os.environ.get("TF_CONFIG"):
         _refuse_local_options(args)
-        return _launch.run_one(command, dict(os.environ))  # an existing TF_CONFIG: run this worker as it says
+        # An existing TF_CONFIG: run this worker as it says, joining at import.
+        return _launch.run_one(command, {**os.environ, _launch.ENV_JOIN: "1"})
     return _launch.run_workers(command, args.workers, args.devices_per_worker)
 
 
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kerasmulti: error: {error}", file=sys.stderr)
             return 2
     try:
-        _simulate_without_gpus(args.simulate)
+        _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
         import kerasmulti
 
         if args.command == "devices":

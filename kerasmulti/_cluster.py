@@ -2,10 +2,13 @@
 
 `MultiWorkerMirroredStrategy` (collective all-reduce across worker processes)
 configures TensorFlow's collective ops, which TensorFlow allows only before it
-runs its first op. A user's script builds its model before it calls
-`parallelize`, so `import kerasmulti` creates the strategy when `TF_CONFIG`
-names a cluster of several tasks, and `parallelize` adopts the model into it.
-Creating it waits until every worker of `TF_CONFIG` has started.
+runs its first op, and creating it waits until every worker of `TF_CONFIG`
+has started. Joining is therefore explicit, as `keras.distribution.initialize()`
+is: `kerasmulti.initialize()`, first thing in a script, or `import kerasmulti`
+in a worker that `kerasmulti launch` (or `launch()`) started, which marks its
+workers with `KERASMULTI_JOIN=1`. A `TF_CONFIG` that a training platform set
+for its own purposes never makes `import kerasmulti` wait; `parallelize` then
+trains on this process's devices, after a warning that says how to join.
 
 Faults are bounded by the coordination service the strategy starts: a worker
 that stops sending heartbeats (killed, crashed, unreachable) makes the
@@ -26,13 +29,17 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 ENV_CONFIG = "TF_CONFIG"
+ENV_JOIN = "KERASMULTI_JOIN"
 ENV_JOIN_TIMEOUT = "KERASMULTI_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 
 _strategy = None
 _start_error: Exception | None = None
+_join_requested = False
+_warned_unjoined = False
 
 
 class ClusterError(RuntimeError):
@@ -119,17 +126,22 @@ def _started_by_command_line() -> bool:
     return os.path.basename(sys.argv[0]) == "kerasmulti" or "kerasmulti._cli" in argv
 
 
-def start() -> None:
-    """Creates this process's `MultiWorkerMirroredStrategy` if `TF_CONFIG` names a cluster.
+def start(requested: bool | None = None) -> None:
+    """Creates this process's `MultiWorkerMirroredStrategy` if asked to and `TF_CONFIG` names a cluster.
 
-    Called by `import kerasmulti`. A failure is kept and reported by
-    `strategy()`, where the cluster is needed, unless TensorFlow itself
-    failed to join (a worker never started, a port is taken): TensorFlow is
-    then unusable in this process, and the `ClusterError` is raised at once.
+    Called by `import kerasmulti`, where joining is asked for by the
+    launcher's `KERASMULTI_JOIN=1` (`requested=None`), and by `initialize()`
+    (`requested=True`). A failure is kept and reported by `strategy()`,
+    where the cluster is needed, unless TensorFlow itself failed to join (a
+    worker never started, a port is taken): TensorFlow is then unusable in
+    this process, and the `ClusterError` is raised at once.
     """
-    global _strategy, _start_error
-    if _strategy is not None or _started_by_command_line():
+    global _strategy, _start_error, _join_requested
+    if requested is None:
+        requested = os.environ.get(ENV_JOIN) == "1"
+    if not requested or _strategy is not None or _started_by_command_line():
         return
+    _join_requested = True
     try:
         if config() is None:
             return
@@ -141,6 +153,42 @@ def start() -> None:
             # any more (its next op fails to start the gRPC server), so say
             # why now.
             raise _start_failure(config()) from None
+
+
+def initialize() -> bool:
+    """Joins the multi-worker cluster that `TF_CONFIG` names.
+
+    Call it first thing in a training script started by anything other than
+    `kerasmulti launch` (a training platform, a SLURM job, your own
+    `TF_CONFIG`), before any model or tensor exists: TensorFlow allows
+    joining only before its first op. It waits until every worker has
+    started (`KERASMULTI_JOIN_TIMEOUT` seconds, 600 by default). Afterwards
+    `parallelize` trains across all workers. Workers started by
+    `kerasmulti launch` or `kerasmulti.launch()` join at `import kerasmulti`;
+    calling it there too does nothing more. Without a cluster of several
+    tasks in `TF_CONFIG` it does nothing.
+
+    Returns:
+        True if this process is a worker of a cluster, False if `TF_CONFIG`
+        names none.
+
+    Raises:
+        ClusterError: If `TF_CONFIG` is malformed, TensorFlow already ran, or
+            the cluster could not be joined (the reason, e.g. workers that
+            never started).
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.initialize()  # first: joins the cluster of TF_CONFIG, if any
+    import keras
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model)  # across all workers in a cluster
+    ```
+    """
+    start(requested=True)
+    return strategy() is not None
 
 
 def join_timeout() -> float:
@@ -198,14 +246,27 @@ def strategy():
     """The process's `MultiWorkerMirroredStrategy`, or None outside a cluster.
 
     Raises:
-        ClusterError: `TF_CONFIG` names a cluster, but the strategy could not
-            be created (TensorFlow ran before `import kerasmulti`, or
-            `TF_CONFIG` was set after it).
+        ClusterError: Joining was asked for and `TF_CONFIG` names a cluster,
+            but the strategy could not be created (TensorFlow ran first, or
+            `TF_CONFIG` was set after the import).
     """
+    global _warned_unjoined
     if _strategy is not None:
         return _strategy
     parsed = config()
     if parsed is None:
+        return None
+    if not _join_requested and _start_error is None and not _started_by_command_line():
+        if not _warned_unjoined:
+            _warned_unjoined = True
+            warnings.warn(
+                "TF_CONFIG names a cluster, but this process did not join it, so "
+                "parallelize() uses this process's devices only. To train across "
+                "the workers, call kerasmulti.initialize() first thing in the script "
+                "or start it with `kerasmulti launch`. "
+                f"Received: TF_CONFIG task={parsed['task']}",
+                stacklevel=3,
+            )
         return None
     raise _start_failure(parsed)
 
@@ -214,10 +275,10 @@ def _start_failure(parsed: dict) -> ClusterError:
     if isinstance(_start_error, RuntimeError) and "program startup" in str(_start_error):
         return ClusterError(
             "This process is a worker of a TF_CONFIG cluster, but TensorFlow had "
-            "already run before `import kerasmulti`, and multi-worker training "
-            "must be set up before TensorFlow's first op. Import kerasmulti at "
-            "the top of the script, before building a model or creating any "
-            f"tensor. Received: TF_CONFIG task={parsed['task']}"
+            "already run when it tried to join, and multi-worker training "
+            "must be set up before TensorFlow's first op. Import kerasmulti (and "
+            "call kerasmulti.initialize()) at the top of the script, before "
+            f"building a model or creating any tensor. Received: TF_CONFIG task={parsed['task']}"
         )
     if _start_error is None:
         return ClusterError(

@@ -108,7 +108,9 @@ def simulate_devices(n: int) -> list[str]:
         n: Number of logical CPU devices, at least 1.
 
     Returns:
-        The list of available devices afterwards.
+        The devices `available_devices()` will list: the `n` CPU devices, or
+        the GPUs on a machine that has some. Without GPUs, TensorFlow is not
+        initialised by the call, so `tf.config.threading` can still be set.
 
     Raises:
         ValueError: If `n` is not a positive int.
@@ -129,7 +131,9 @@ def simulate_devices(n: int) -> list[str]:
             f"CPU devices to create. Received: n={n!r}"
         )
     _configure(n)
-    return available_devices()
+    if tf.config.list_physical_devices("GPU"):  # listing physical devices initialises nothing
+        return available_devices()
+    return [f"/device:CPU:{i}" for i in range(n)]
 
 
 def _configure(n: int) -> None:

@@ -208,8 +208,8 @@ def parallel_predict(
         parallel = _parallel_of(unwrap(model), gpus, devices)
     template = parallel._template
     _warn_overrides(template, ("predict_step",))
-    source = _sources.make_source(data)
-    if source.rows == 0:
+    source = _sources.make_source(data, counted=output is not None)
+    if source.rows == 0 or source.sample() is None:
         raise ValueError(
             "parallel_predict() got an input with no rows, so there is nothing "
             "to predict. Pass data with at least one row. Received: 0 rows"
@@ -317,14 +317,14 @@ def _run(predict, source, start, batch_size, verbose):
     for inputs in _prefetch(source.batches(start, batch_size)):
         predictions = predict(inputs)
         end = row + len(tree.flatten(predictions)[0])
-        if end > source.rows:
+        if source.rows is not None and end > source.rows:
             row = end  # more rows than counted: reported below
             break
         yield predictions, (row, end)
         rate = (end - start) / max(time.perf_counter() - begin_time, 1e-9)
         bar.update(end, values=[("rows/s", rate)])
         row = end
-    if row != source.rows:
+    if source.rows is not None and row != source.rows:
         raise ValueError(
             f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but "
             f"{source.rows} were counted before predicting: parallel_predict() reads "

@@ -31,6 +31,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from kerasmulti._cluster import ENV_JOIN
 from kerasmulti._devices import is_positive_int
 
 POLL_S = 0.2
@@ -148,7 +149,8 @@ def _exit_code(returncode: int) -> int:
 
 
 def _worker_environment(hosts: list[str], index: int, devices_per_worker: int | None) -> dict:
-    env = {"TF_CONFIG": tf_config(hosts, index)}
+    # KERASMULTI_JOIN: the worker joins its cluster at `import kerasmulti`.
+    env = {"TF_CONFIG": tf_config(hosts, index), ENV_JOIN: "1"}
     if devices_per_worker:
         # With GPUs: worker i gets its own K of them (of those already visible,
         # if CUDA_VISIBLE_DEVICES is set), not all of them. Without GPUs: K

@@ -83,13 +83,7 @@ class BatchedSource(Source):
     def __init__(self, data):
         self.data = data
         if isinstance(data, tf.data.Dataset):
-            if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
-                raise ValueError(
-                    "parallel_predict() got a tf.data.Dataset that never ends (it "
-                    "repeats), so it would never finish. Predict on a finite "
-                    "dataset: drop `.repeat()`, or take the rows you need with "
-                    "`.take(batches)`. Received: data.cardinality()=INFINITE"
-                )
+            _refuse_endless(data)
             self.sizes, hashes = [], None
             for batch in self._raw():
                 self.sizes.append(_rows(batch))
@@ -164,6 +158,41 @@ class BatchedSource(Source):
             yield _head(self.batches(begin, 2), 2)
 
 
+class StreamedSource(Source):
+    """A tf.data pipeline read once, batch by batch, when nothing needs its rows counted first.
+
+    With results returned in memory there is no file to resume and no
+    fingerprint to take, so, as in Keras' `predict`, the pipeline is read
+    once: `rows` is None, and the first batch (the sample) is read as part
+    of that one pass.
+    """
+
+    def __init__(self, data: tf.data.Dataset):
+        _refuse_endless(data)
+        self.data, self.rows = data, None
+        self._iterator = (_inputs_of(batch) for batch in data.as_numpy_iterator())
+        self._first = next(self._iterator, None)
+
+    def batches(self, start, size):
+        if start or self._first is None:
+            return
+        yield self._first
+        yield from self._iterator
+
+    def sample(self):
+        return self._first
+
+
+def _refuse_endless(data: tf.data.Dataset) -> None:
+    if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+        raise ValueError(
+            "parallel_predict() got a tf.data.Dataset that never ends (it "
+            "repeats), so it would never finish. Predict on a finite "
+            "dataset: drop `.repeat()`, or take the rows you need with "
+            "`.take(batches)`. Received: data.cardinality()=INFINITE"
+        )
+
+
 FINGERPRINT_SAMPLES = 16
 
 
@@ -198,7 +227,10 @@ def _head(batches: Iterator, n: int):
     return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)
 
 
-def make_source(data) -> Source:
+def make_source(data, counted: bool = True) -> Source:
+    """The source for `data`; `counted=False` lets a tf.data pipeline be read once, uncounted."""
+    if isinstance(data, tf.data.Dataset) and not counted:
+        return StreamedSource(data)
     if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
         return BatchedSource(data)
     leaves = tree.flatten(data)

@@ -15,6 +15,7 @@ PUBLIC = [
     "PlacementSummary",
     "available_devices",
     "device_scope",
+    "initialize",
     "is_chief",
     "launch",
     "on_device",

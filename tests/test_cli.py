@@ -150,3 +150,18 @@ def test_demo_without_scikit_learn_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_sklearn)
     with pytest.raises(SystemExit, match=r"scikit-learn is not installed.*pip install 'kerasmulti\[demo\]'"):
         _demo._digits()
+
+
+@pytest.mark.parametrize("command, threads", [("devices", "0"), ("demo-threads", "1")])
+def test_only_the_demo_pins_tensorflow_threads(command, threads):
+    # 0 is TensorFlow's own choice; the demo pins one thread per simulated device.
+    call = (
+        "_cli._simulate_without_gpus(2, pin_threads=True)" if command == "demo-threads"
+        else "_cli.main(['--simulate', '2', 'devices'])"
+    )
+    script = f"from kerasmulti import _cli\nimport tensorflow as tf\n{call}\nprint(tf.config.threading.get_intra_op_parallelism_threads())"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == threads

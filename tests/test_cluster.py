@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -58,16 +59,38 @@ def test_a_failed_join_is_reported_where_the_cluster_is_needed(monkeypatch):
 def test_tf_config_set_after_the_import_is_explained(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", None)
+    monkeypatch.setattr(_cluster, "_join_requested", True)
     with pytest.raises(_cluster.ClusterError, match="Set TF_CONFIG before Python starts.*Received: TF_CONFIG task="):
         _cluster.strategy()
+
+
+def test_a_cluster_nobody_asked_to_join_is_warned_about_and_trains_here(monkeypatch):
+    # A training platform's TF_CONFIG, in a process that neither called
+    # initialize() nor was started by the launcher.
+    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
+    monkeypatch.setattr(_cluster, "_warned_unjoined", False)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.warns(UserWarning, match=r"did not join it.*kerasmulti.initialize\(\).*Received: TF_CONFIG task="):
+        parallel = kerasmulti.parallelize(model, gpus=2)
+    assert type(parallel) is kerasmulti.ParallelModel and len(parallel.replica_devices) == 2
+
+
+@pytest.mark.slow
+def test_import_returns_at_once_under_a_tf_config_whose_peers_are_absent():
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(["localhost:1", "localhost:2"], 0)}
+    for name in ("KERASMULTI_SIMULATE_DEVICES", _cluster.ENV_JOIN):
+        env.pop(name, None)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", "import kerasmulti"], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 10
 
 
 def test_tensorflow_running_before_the_import_is_explained():
     script = (
         "import tensorflow as tf; tf.constant(1)\n"  # TensorFlow runs first
         "import keras, kerasmulti\n"
-        "model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
-        "kerasmulti.parallelize(model)\n"
+        "kerasmulti.initialize()\n"
     )
     hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(hosts, 0)}
@@ -75,7 +98,7 @@ def test_tensorflow_running_before_the_import_is_explained():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0
     assert "ClusterError" in result.stderr
-    assert "Import kerasmulti at the top of the script" in result.stderr
+    assert "call kerasmulti.initialize()) at the top of the script" in result.stderr
     assert "Received: TF_CONFIG task={'type': 'worker', 'index': 0}" in result.stderr
 
 

@@ -38,6 +38,18 @@ def test_simulate_devices_after_start_says_what_to_do():
         kerasmulti.simulate_devices(5)
 
 
+def test_simulate_devices_leaves_threading_configurable():
+    code = (
+        "import kerasmulti, tensorflow as tf\n"
+        "names = kerasmulti.simulate_devices(3)\n"
+        "tf.config.threading.set_intra_op_parallelism_threads(1)  # fails once TensorFlow started\n"
+        "print(names == kerasmulti.available_devices(), tf.config.threading.get_intra_op_parallelism_threads())"
+    )
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "1"]
+
+
 @pytest.mark.parametrize("n", [0, -2, 1.5, "2", True])
 def test_simulate_devices_rejects_non_positive_int(n):
     with pytest.raises(ValueError, match=f"Received: n={n!r}"):

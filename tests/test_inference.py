@@ -339,7 +339,7 @@ def test_uneven_tf_data_batches_resume_without_losing_rows(tmp_path):
         assert f["kerasmulti_rows_done"][()] == 10
 
 
-def test_batches_that_break_the_row_count_are_refused():
+def test_batches_that_break_the_row_count_are_refused(tmp_path):
     model, x = _two_outputs(), _data(10)
 
     class Uneven(keras.utils.PyDataset):  # Keras wants every batch but the last full
@@ -358,11 +358,12 @@ def test_batches_that_break_the_row_count_are_refused():
         yield from _uneven(x, [3, 5, 2] if len(reads) == 1 else [5, 3, 2]).as_numpy_iterator()
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    # With output= the pipeline is read to count its rows, then to predict.
     with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 has 5 rows now and had 3.*Received: batch=0, rows=5"):
-        kerasmulti.parallel_predict(model, dataset, verbose=0)
+        kerasmulti.parallel_predict(model, dataset, verbose=0, output=str(tmp_path / "out.h5"))
 
 
-def test_an_input_that_ends_early_when_read_again_is_refused():
+def test_an_input_that_ends_early_when_read_again_is_refused(tmp_path):
     model, x = _two_outputs(), _data(10)
     reads = []
 
@@ -372,7 +373,7 @@ def test_an_input_that_ends_early_when_read_again_is_refused():
 
     dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
     with pytest.raises(ValueError, match=r"gave 8 rows, but 10 were counted.*Received: rows=8, counted=10"):
-        kerasmulti.parallel_predict(model, dataset, verbose=0)
+        kerasmulti.parallel_predict(model, dataset, verbose=0, output=str(tmp_path / "out.h5"))
 
 
 def test_inputs_that_never_end_are_refused_at_once():
@@ -464,3 +465,28 @@ def test_the_input_file_is_refused_as_output(tmp_path):
     with pytest.raises(ValueError, match=r"the file it reads its input from"):
         kerasmulti.parallel_predict(model, np.load(tmp_path / "x.npy", mmap_mode="r"), output=str(tmp_path / "x.npy"), verbose=0)
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), x)
+
+
+def test_a_pipeline_is_read_once_when_results_come_back_in_memory(tmp_path):
+    # As Keras' predict reads it; with output= its rows are counted (and
+    # fingerprinted) first, so the file can be resumed.
+    model, x = _two_outputs(), _data(23)
+    reads = []
+
+    def batches():
+        for begin in range(0, len(x), 5):
+            reads.append(begin)
+            yield x[begin : begin + 5]
+
+    spec = tf.TensorSpec((None, *x.shape[1:]), tf.float32)
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=spec)
+    got = kerasmulti.parallel_predict(model, dataset, gpus=DEVICES, verbose=0)
+    assert reads == [0, 5, 10, 15, 20]
+    for g, e in zip(got, model.predict(x, verbose=0)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    reads.clear()
+    kerasmulti.parallel_predict(model, dataset, gpus=DEVICES, verbose=0, output=str(tmp_path / "out.h5"))
+    assert len(reads) > 5
+    empty = tf.data.Dataset.from_tensor_slices(np.zeros((0, x.shape[1]), "float32")).batch(4)
+    with pytest.raises(ValueError, match="no rows.*Received: 0 rows"):
+        kerasmulti.parallel_predict(model, empty, verbose=0)

@@ -1,9 +1,11 @@
-"""Joins the TF_CONFIG cluster at import, says so, then waits to be stopped."""
+"""Joins the TF_CONFIG cluster with kerasmulti.initialize(), says so, then waits to be stopped."""
 
 import time
 
-import kerasmulti  # joins the cluster
-import keras
+import kerasmulti
+
+kerasmulti.initialize()  # joins the cluster
+import keras  # noqa: E402
 
 kerasmulti.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
 print("joined", flush=True)

@@ -13,7 +13,9 @@ import os
 import signal
 import sys
 
-import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+import kerasmulti  # noqa: E402
+
+kerasmulti.initialize()  # first: joins TF_CONFIG's cluster before TensorFlow runs anything
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
