@@ -109,8 +109,8 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
             raise kerasmulti.DeviceError(f"{n} devices asked, {len(devices)} available")
         template = build_model()
         strategy = tf.distribute.MirroredStrategy(devices=devices)
-        # MirroredStrategy cannot adopt a model built outside its scope
-        # (FINDINGS.md): clone it inside and copy the weights.
+        # MirroredStrategy cannot adopt a model built outside its scope (its
+        # fit fails with a bare AssertionError): clone it inside, copy the weights.
         with strategy.scope():
             model = keras.models.clone_model(template)
             model.set_weights(template.get_weights())
@@ -204,7 +204,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
     if args.quick:
         args.samples, args.batch_size, args.repeats = 64, 32, 1
     # MirroredStrategy.fit crashes when the first global batch does not split
-    # evenly across replicas (FINDINGS.md); keep every batch a whole multiple.
+    # evenly across replicas (TensorFlow 2.21); keep every batch a whole multiple.
     batch = max(args.devices, args.batch_size - args.batch_size % args.devices)
     samples = max(batch, args.samples - args.samples % batch)
     return args, Sizes(samples, batch, args.repeats)

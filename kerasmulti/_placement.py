@@ -304,12 +304,15 @@ def device_scope(device: str):
     Example:
 
     ```python
-    import keras, kerasmulti
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    first, second = kerasmulti.available_devices()[:2]  # "/gpu:0", "/gpu:1" on GPUs
     tweet_a, tweet_b = keras.Input((280, 256)), keras.Input((280, 256))
     shared_lstm = keras.layers.LSTM(64)
-    with kerasmulti.device_scope("/gpu:0"):
+    with kerasmulti.device_scope(first):
         encoded_a = shared_lstm(tweet_a)
-    with kerasmulti.device_scope("/gpu:1"):
+    with kerasmulti.device_scope(second):
         encoded_b = shared_lstm(tweet_b)
     merged = keras.layers.concatenate([encoded_a, encoded_b], axis=-1)
     model = keras.Model([tweet_a, tweet_b], keras.layers.Dense(1)(merged))
@@ -394,9 +397,16 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     Example:
 
     ```python
-    import keras, kerasmulti
-    model = keras.models.load_model("two_tower.keras")
-    kerasmulti.remap_devices(model, {"/gpu:1": "/gpu:0"})
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    first, second = kerasmulti.available_devices()[:2]
+    inputs = keras.Input((4,))
+    with kerasmulti.device_scope(second):
+        tower = keras.layers.Dense(2)(inputs)
+    keras.Model(inputs, tower).save("two_tower.keras")
+    model = keras.models.load_model("two_tower.keras")  # on a machine with one device:
+    kerasmulti.remap_devices(model, {second: first})   # the tower runs on the first
     ```
     """
     moves = {_canonical(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}

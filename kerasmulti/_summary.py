@@ -26,9 +26,18 @@ class PlacementSummary:
     Example:
 
     ```python
-    summary = kerasmulti.placement_summary(model)
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    first, second = kerasmulti.available_devices()[:2]
+    inputs = keras.Input((8,))
+    with kerasmulti.device_scope(first):
+        hidden = keras.layers.Dense(16, name="hidden")(inputs)
+    with kerasmulti.device_scope(second):
+        outputs = keras.layers.Dense(1, name="head")(hidden)
+    summary = kerasmulti.placement_summary(keras.Model(inputs, outputs))
     print(summary)
-    on_gpu1 = [row["layer"] for row in summary.rows if row["device"] == "/device:GPU:1"]
+    on_second = [row["layer"] for row in summary.rows if row["device"] == second]
     ```
     """
 

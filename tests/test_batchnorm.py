@@ -18,7 +18,7 @@ def _bn_model(momentum=0.5):
 
 @pytest.mark.parametrize("gpus", [2, DEVICES])
 def test_moving_statistics_equal_one_device_on_the_whole_batch(gpus):
-    # FINDINGS: a naive wrapper updates once per replica and gets 5.0 here.
+    # Measured: a naive wrapper updates once per replica and gets 5.0 here.
     x = np.array([[0.0], [0.0], [10.0], [10.0]], "float32")
     reference, template = _bn_model(), _bn_model()
     expected = reference(x, training=True)
