@@ -290,6 +290,10 @@ def _run_forked(function, args, index, hosts, devices_per_worker, output_fd, res
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler):
                 handler.setStream(sys.stderr)
+    # In a notebook TensorFlow's logger shows INFO (it does so in interactive
+    # sessions), and the strategy logs every all-reduce it builds: workers
+    # show warnings and errors, as a script does.
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)
     os.environ.update(_worker_environment(hosts, index, devices_per_worker))
     from kerasmulti import _cluster, _devices
 

@@ -1,4 +1,4 @@
-"""The notebooks run top to bottom, and are committed without outputs.
+"""The notebooks run top to bottom, and are committed with their outputs.
 
 Each notebook runs in a fresh `python3` kernel, which jupyter_client starts
 with this interpreter (`sys.executable`), so it sees the same environment as
@@ -8,6 +8,7 @@ and imports `kerasmulti` from this checkout.
 """
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -47,21 +48,28 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, f"no notebooks found in {ROOT / 'notebooks'}"
 
 
+# TensorFlow's C++ log lines (I0000 ..., oneDNN, CUDA probing): noise on a web page.
+LOG_LINE = re.compile(r"^[IWE]\d{4} |oneDNN|cuInit|absl::InitializeLog|INFO:tensorflow:", re.M)
+MAX_BYTES = 400_000
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids)
-def test_notebook_outputs_are_stripped(notebook):
+def test_notebook_is_committed_with_its_outputs(notebook):
     nb = nbformat.read(notebook, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
-    dirty = [
-        i
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
-    ]
-    assert not dirty, (
-        f"{notebook.name}: code cells {dirty} hold outputs or execution counts; "
-        "clear them before committing (e.g. `jupyter nbconvert --clear-output "
-        f"--inplace notebooks/{notebook.name}`)"
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    counts = [cell.execution_count for cell in code]
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{notebook.name}: not run top to bottom in one kernel (execution counts {counts}); "
+        f"run `python notebooks/execute.py {notebook.stem}` and commit it"
     )
+    assert any(cell.outputs for cell in code), f"{notebook.name} holds no outputs"
+    outputs = [output for cell in code for output in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], f"{notebook.name} saved an error"
+    noise = [o.text for o in outputs if o.output_type == "stream" and LOG_LINE.search(o.text)]
+    assert not noise, f"{notebook.name} shows TensorFlow log lines: {noise[0][:300]}"
+    assert notebook.stat().st_size < MAX_BYTES, f"{notebook.name} is {notebook.stat().st_size} bytes"
 
 
 @pytest.mark.slow
