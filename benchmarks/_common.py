@@ -40,6 +40,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import keras  # noqa: E402
 import kerasmulti  # noqa: E402
 from kerasmulti import _sources  # noqa: E402
+from kerasmulti._load import LoadMeter  # noqa: E402,F401  (bench_multi_worker imports it from here)
 import tensorflow as tf  # noqa: E402
 
 # ------------------------------------------------------------------- devices
@@ -90,45 +91,6 @@ def warn_missing_devices(devices: list[str], n: int, which: str) -> None:
 
 
 # -------------------------------------------------------------------- timing
-
-
-class LoadMeter:
-    """How much CPU other processes took while we were timing (Linux only).
-
-    The numbers are only as good as the machine is quiet; this says how quiet
-    it was, from /proc/stat (all processes) minus this process's own CPU time.
-    """
-
-    def __init__(self):
-        self._start = (time.perf_counter(), self._machine_busy(), self._own())
-
-    @staticmethod
-    def _machine_busy() -> float | None:
-        try:
-            with open("/proc/stat") as stat:
-                fields = [int(v) for v in stat.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own() -> float:
-        times = os.times()
-        return times.user + times.system
-
-    def report(self) -> str:
-        wall0, busy0, own0 = self._start
-        busy1 = self._machine_busy()
-        if busy0 is None or busy1 is None:
-            return "  (CPU load of other processes: unknown on this platform)"
-        wall = time.perf_counter() - wall0
-        others = max(0.0, (busy1 - busy0) - (self._own() - own0)) / wall
-        mine = (self._own() - own0) / wall
-        return (
-            f"  timed runs: {wall:.0f} s; this process used {mine:.2f} cores, "
-            f"other processes {others:.2f} of {os.cpu_count()} cores"
-        )
 
 
 def timed_rounds(variants: list, repeats: int, run: Callable[[object], None]) -> None:

@@ -18,7 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 from kerasmulti import _sources, _split
+from kerasmulti._load import LoadMeter
 from kerasmulti._parallelize import parallelize
+
+
+# Other processes' load above which the throughput is said to be unreliable.
+BUSY_CORES = 0.25
 
 
 def _digits():
@@ -62,17 +67,38 @@ def _compile(model):
     )
 
 
-def _throughputs(single, parallel, device: str, batches, rows: int, rounds: int = 5) -> tuple[float, float]:
-    """Median samples/s of one epoch of each model, the two taking turns."""
-    times = {"single": [], "parallel": []}
+def _throughputs(single, parallel, device: str, batches, rows: int, rounds: int = 5):
+    """Samples/s of one epoch of each model per round, the two taking turns.
+
+    Returns the two lists and the cores other processes kept busy meanwhile
+    (None where unknown).
+    """
+    rates = {"single": [], "parallel": []}
+    load = None
     for timed in [False] + [True] * rounds:  # the first round traces, untimed
+        load = load or (LoadMeter() if timed else None)
         for name, model in (("single", single), ("parallel", parallel)):
             with tf.device(device) if model is single else contextlib.nullcontext():
                 start = time.perf_counter()
-                model.fit(batches, epochs=1, verbose=0)
+                # The pipeline's order is fixed; Keras would warn that shuffle=True is ignored.
+                model.fit(batches, epochs=1, verbose=0, shuffle=False)
                 if timed:
-                    times[name].append(time.perf_counter() - start)
-    return rows / statistics.median(times["single"]), rows / statistics.median(times["parallel"])
+                    rates[name].append(rows / (time.perf_counter() - start))
+    return rates["single"], rates["parallel"], load.others()
+
+
+def _report_throughput(one: list, many: list, devices: int, others) -> None:
+    ratios = [m / o for m, o in zip(many, one)]
+    print(
+        f"throughput: {statistics.median(many):,.0f} samples/s on {devices} device(s), "
+        f"{statistics.median(one):,.0f} samples/s on one: {statistics.median(many) / statistics.median(one):.2f}x "
+        f"(median of {len(ratios)} epochs each; per epoch {min(ratios):.2f}x to {max(ratios):.2f}x)"
+    )
+    if others is not None and others > BUSY_CORES:
+        print(
+            f"  note: other processes kept {others:.1f} of {os.cpu_count()} cores busy meanwhile, "
+            "so these figures are lower and noisier than on an idle machine."
+        )
 
 
 def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasmulti-demo") -> int:
@@ -103,11 +129,8 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
     # Not the arrays: fit's autotuned pipeline stalls about a second per epoch,
     # inside some timed epochs and not others (the ratio swung 0.78x to 1.24x).
     batches = _sources.batched(tf.data.Dataset.from_tensor_slices((x_train, y_train)), batch_size)
-    one, many = _throughputs(single, parallel, devices[0], batches, len(x_train))
-    print(
-        f"throughput: {many:,.0f} samples/s on {len(devices)} device(s), "
-        f"{one:,.0f} samples/s on one: {many / one:.2f}x"
-    )
+    one, many, others = _throughputs(single, parallel, devices[0], batches, len(x_train))
+    _report_throughput(one, many, len(devices), others)
 
     os.makedirs(output, exist_ok=True)
     path = os.path.join(output, "digits_convnet.keras")

@@ -175,7 +175,7 @@ class WorkerModel(ParallelModel):
             num_replicas_in_sync=strategy.num_replicas_in_sync,
         )
         local = _batches(dataset_fn(context))
-        counts = tf.function(_gather_one)(strategy, local)
+        counts = _gather_step(strategy, tf.constant(local, tf.int64))
         steps = int(tf.reduce_max(counts))
 
         def padded(context):
@@ -197,7 +197,7 @@ class WorkerModel(ParallelModel):
             result = method(*args, **kwargs)
             # Leave together: files the chief wrote or deleted at the end
             # (checkpoints, the backup) are final before any worker goes on.
-            tf.function(_barrier)(self._strategy)
+            _barrier_step(self._strategy)
         return result
 
     def call(self, inputs, training=None):
@@ -312,7 +312,13 @@ def _barrier(strategy):
 
 @tf.autograph.experimental.do_not_convert
 def _gather_one(strategy, value):
-    return strategy.gather(strategy.run(lambda: tf.constant([value], "int64")), axis=0)
+    return strategy.gather(strategy.run(lambda: tf.reshape(value, [1])), axis=0)
+
+
+# Made once, traced once per strategy: a tf.function made at every call would
+# retrace every time, and TensorFlow warns about that after five.
+_barrier_step = tf.function(_barrier)
+_gather_step = tf.function(_gather_one)
 
 
 def _batches(dataset) -> int:

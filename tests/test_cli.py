@@ -1,6 +1,7 @@
 """The kerasmulti command: demo, devices, predict, and its one-line errors."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -33,8 +34,21 @@ def test_demo_trains_saves_and_checks_the_reload(tmp_path):
     assert "Devices (2): /device:CPU:0, /device:CPU:1" in out
     assert "sub-batches of 64 on /device:CPU:0, 64 on /device:CPU:1" in out
     assert "epoch 2/2: loss" in out and "test accuracy" in out and "samples/s" in out
+    assert re.search(r"median of 5 epochs each; per epoch \d+\.\d\dx to \d+\.\d\dx", out)
     assert "predictions match" in out
+    assert "UserWarning" not in result.stderr, result.stderr[-3000:]  # none from the demo's own code
     keras.models.load_model(str(tmp_path / "out" / "digits_convnet.keras"))
+
+
+def test_the_demo_says_when_other_processes_were_busy(capsys):
+    from kerasmulti import _demo
+
+    _demo._report_throughput([100.0, 110.0], [150.0, 140.0], 2, others=1.5)
+    out = capsys.readouterr().out
+    assert "1.38x" in out and "per epoch 1.27x to 1.50x" in out
+    assert "other processes kept 1.5 of" in out and "lower and noisier" in out
+    _demo._report_throughput([100.0], [150.0], 2, others=0.1)
+    assert "note:" not in capsys.readouterr().out
 
 
 def test_demo_refuses_more_devices_than_exist_without_a_traceback():
