@@ -149,8 +149,10 @@ class WorkerModel(ParallelModel):
     def _shuffled(self, x, y, batch_size, kwargs, seed):
         # Keras shuffles arrays with an unseeded op: each worker would draw
         # its own order and keep its part of it, seeing some samples twice
-        # and others never. A dataset shuffled with the chief's seed draws the
-        # same order everywhere, and a new one each epoch.
+        # and others never. Here every epoch's order is a function of the
+        # chief's seed and the epoch's number: the same on every worker, a
+        # new one each epoch, and the same again in a run resumed at that
+        # epoch (a reshuffling dataset would start over from its first order).
         sample_weight = kwargs.pop("sample_weight", None)
         arrays = (x, y, sample_weight)
         split = kwargs.pop("validation_split", 0.0)
@@ -159,13 +161,26 @@ class WorkerModel(ParallelModel):
             kwargs["validation_data"] = validation
         rows = _split.batch_size(arrays[0])
         # Lists are one tensor to tf.data, several inputs to Keras.
-        dataset = tf.data.Dataset.from_tensor_slices(
-            tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
-        )
-        dataset = dataset.shuffle(rows, seed=seed, reshuffle_each_iteration=True)
-        dataset = _sources.batched(dataset, batch_size or 32)
+        data = tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
+        epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+        def order(_):
+            return tf.random.experimental.stateless_shuffle(
+                tf.range(rows, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
+            )
+
+        rows_in_order = tf.data.Dataset.range(1).map(order).flat_map(tf.data.Dataset.from_tensor_slices)
+        tensors = tree.map_structure(tf.convert_to_tensor, data)
+        dataset = rows_in_order.batch(batch_size or 32).map(
+            lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
+        ).prefetch(2)
+        options = tf.data.Options()
+        options.autotune.enabled = False  # as _sources.batched: no teardown stall
+        # The epoch is read when each epoch's order is drawn.
+        options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
         kwargs["shuffle"] = False
-        return dataset, None, None, kwargs
+        return dataset.with_options(options), None, None, kwargs
 
     def _per_worker_dataset(self, dataset_fn):
         strategy = self._strategy
@@ -438,6 +453,17 @@ def _worker_input(data):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return data.with_options(options)
+
+
+class _EpochOrder(keras.callbacks.Callback):
+    """Sets the epoch that an input's order is drawn for, as each epoch begins."""
+
+    def __init__(self, epoch: tf.Variable):
+        super().__init__()
+        self._epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch.assign(epoch)
 
 
 class _WorkerBatches(keras.utils.PyDataset):

@@ -100,10 +100,11 @@ def _start_worker(hosts, index, log, *args):
     )
 
 
-def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path):
+def _killed_at_epoch_1(out, *args):
+    """Two workers, worker 1 killed at the end of epoch 1: (chief, doomed, seconds the chief went on)."""
     hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
-    logs = [open(tmp_path / f"log-{i}.txt", "w") for i in range(2)]
-    chief, doomed = (_start_worker(hosts, i, logs[i], str(tmp_path), "--die-at-epoch", "1") for i in range(2))
+    logs = [open(out / f"log-{i}.txt", "w") for i in range(2)]
+    chief, doomed = (_start_worker(hosts, i, logs[i], str(out), "--die-at-epoch", "1", *args) for i in range(2))
     try:
         doomed.wait(timeout=240)
         died = time.monotonic()
@@ -113,9 +114,13 @@ def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_los
         doomed.kill()
         for log in logs:
             log.close()
+    return chief, doomed, time.monotonic() - died
+
+
+def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path):
+    chief, doomed, stopped = _killed_at_epoch_1(tmp_path)
     output = (tmp_path / "log-0.txt").read_text()
     assert doomed.returncode == -9
-    stopped = time.monotonic() - died
     print(f"survivor stopped {stopped:.1f} s after the kill")
     assert stopped < 60  # the survivor did not wait forever (about 9 s measured)
     assert chief.returncode != 0
@@ -140,3 +145,23 @@ def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_los
     assert not os.path.exists(tmp_path / "backup")  # deleted once training finished
     assert not [name for name in os.listdir(tmp_path) if "tmp" in name]
     assert "4/4 - " not in (tmp_path / "log-1.txt").read_text()
+
+
+def test_a_resumed_run_with_shuffled_epochs_ends_like_an_uninterrupted_one(tmp_path):
+    # fit's default shuffle=True: each epoch's order depends on the seed and
+    # the epoch's number, so the resumed epochs see the uninterrupted run's orders.
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    whole.mkdir()
+    resumed.mkdir()
+    _launch_workers("multi_worker_resume.py", str(whole), "--shuffle")
+    _, doomed, _ = _killed_at_epoch_1(resumed, "--shuffle")
+    assert doomed.returncode == -9 and os.path.exists(resumed / "backup")
+    _launch_workers("multi_worker_resume.py", str(resumed), "--shuffle")
+    expected, got = np.load(whole / "final-0.npz"), np.load(resumed / "final-0.npz")
+    for key in expected.files:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # The order matters here: without shuffling the run ends elsewhere.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _launch_workers("multi_worker_resume.py", str(plain))
+    assert not np.allclose(np.load(plain / "final-0.npz")["arr_0"], expected["arr_0"], atol=1e-4)

@@ -1,11 +1,12 @@
 """Checkpointed multi-worker training that a killed worker interrupts and a restart resumes.
 
-`multi_worker_resume.py OUT [--die-at-epoch K] [--reference]`: trains for 4
+`multi_worker_resume.py OUT [--die-at-epoch K] [--reference] [--shuffle]`: trains for 4
 epochs with ParallelBackupAndRestore (OUT/backup) and ParallelModelCheckpoint
 (OUT/model-<index>.keras: only the chief's may appear), with progress lines
 (only the chief's may appear). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
 the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
 --reference trains the plain template in one process (OUT/final-reference.npz).
+--shuffle passes fit's default shuffle=True (otherwise False).
 """
 
 import json
@@ -23,6 +24,7 @@ import numpy as np  # noqa: E402
 out = sys.argv[1]
 reference = "--reference" in sys.argv
 die_at = int(sys.argv[sys.argv.index("--die-at-epoch") + 1]) if "--die-at-epoch" in sys.argv else None
+shuffle = "--shuffle" in sys.argv
 index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 keras.utils.set_random_seed(0)
@@ -47,6 +49,6 @@ if not reference:
         kerasmulti.ParallelModelCheckpoint(os.path.join(out, f"model-{index}.keras")),
         *callbacks,
     ]
-target.fit(x, y, batch_size=16, epochs=4, shuffle=False, callbacks=callbacks, verbose=2)
+target.fit(x, y, batch_size=16, epochs=4, shuffle=shuffle, callbacks=callbacks, verbose=2)
 np.savez(os.path.join(out, f"final-{'reference' if reference else index}.npz"), *template.get_weights())
 print("done", flush=True)
