@@ -18,7 +18,7 @@ import shutil
 import h5py
 import keras
 
-from kerasmulti import _atomic, _cluster
+from kerasmulti import _atomic, _cluster, _faults
 from kerasmulti._parallel import unwrap
 
 
@@ -243,6 +243,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f.attrs[_METADATA] = metadata
 
         _atomic.write(self._weights_path, save)
+        _faults.reached("backup:weights")
         _atomic.write(self._training_metadata_path, lambda tmp: _write_text(tmp, metadata))
 
     def on_train_end(self, logs=None):

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _atomic, _sources
+from kerasmulti import _atomic, _faults, _sources
 from kerasmulti import _cluster
 from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._devices import is_positive_int, resolve_devices
@@ -242,8 +242,10 @@ def parallel_predict(
             for name, values in zip(names, tree.flatten(batch)):
                 f[name][begin:end] = np.asarray(values).astype(f[name].dtype, copy=False)
             f.flush()
+            _faults.reached("predict:rows")
             f[PROGRESS][()] = end  # only after the rows are on disk
             f.flush()
+            _faults.reached("predict:counter")
     return output
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
+from kerasmulti import _faults
 from conftest import DEVICES
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_checkpointed.py")
@@ -201,8 +202,8 @@ def test_other_keras_callbacks_work_on_parallel_models(tmp_path):
     assert glob.glob(str(tmp_path / "tb" / "train" / "events.out.tfevents.*"))
 
 
-def _start_worker(folder, epochs, *extra):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+def _start_worker(folder, epochs, *extra, fault=None):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **({_faults.ENV: fault} if fault else {})}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.Popen(
         [sys.executable, WORKER, str(folder), str(epochs), *extra],
@@ -267,6 +268,27 @@ def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp
     expected, got = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backup, resumes_exactly", [("--backup", True), ("--keras-backup", False)])
+def test_a_crash_between_the_backups_writes_resumes_exactly_unlike_keras(tmp_path, backup, resumes_exactly):
+    # The process ends (as under SIGKILL) after epoch 2's weights are written
+    # and before its epoch is recorded. ParallelBackupAndRestore keeps the
+    # epoch inside the weights file; Keras' own (the control) pairs the new
+    # weights with the old epoch, trains epoch 2 twice and ends elsewhere.
+    epochs = 4
+    straight = _start_worker(tmp_path / "straight", epochs, backup, "--out", str(tmp_path / "straight.npz"))
+    assert straight.wait(timeout=300) == 0
+    crashed = _start_worker(tmp_path / "resumed", epochs, backup, fault="backup:weights:2")
+    output, _ = crashed.communicate(timeout=300)
+    assert crashed.returncode == _faults.EXIT_CODE and "epoch 2 done" not in output, output
+    resumed = _start_worker(tmp_path / "resumed", epochs, backup, "--out", str(tmp_path / "resumed.npz"))
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    expected, got = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
+    same = all(np.allclose(got[key], expected[key], rtol=1e-6, atol=1e-7) for key in expected.files)
+    assert same is resumes_exactly
 
 
 @pytest.mark.parametrize("make", [

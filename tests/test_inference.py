@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
+from kerasmulti import _faults
 from conftest import DEVICES
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "predict_to_file.py")
@@ -193,6 +194,25 @@ def test_sigkill_at_random_moments_leaves_a_valid_file_and_resumes(tmp_path):
                 assert f["features"].shape == (6000, 64)
             progress.append(done)
     assert progress and progress == sorted(progress), progress  # never goes back
+    result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["predict:rows", "predict:counter"])
+def test_a_crash_between_the_writes_of_a_batch_resumes_with_every_row_right(tmp_path, point):
+    # The process ends (as under SIGKILL) after batch 30's rows, or after its
+    # counter: the counter never claims rows that are not on disk. (Written
+    # counter first, the rows-point crash leaves it claiming missing rows,
+    # and the check below fails: tried.)
+    path = str(tmp_path / "out.h5")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", _faults.ENV: f"{point}:30"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    crashed = subprocess.run([sys.executable, WORKER, path], capture_output=True, text=True, env=env, timeout=300)
+    assert crashed.returncode == _faults.EXIT_CODE, crashed.stdout + crashed.stderr[-3000:]
+    with h5py.File(path, "r") as f:
+        assert int(f["kerasmulti_rows_done"][()]) == (29 if point == "predict:rows" else 30) * 50
+    del env[_faults.ENV]
     result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 

@@ -1,11 +1,13 @@
 """A training job for the kill and resume tests, run as a separate process.
 
-    python train_checkpointed.py FOLDER EPOCHS [--backup] [--out weights.npz]
+    python train_checkpointed.py FOLDER EPOCHS [--backup | --keras-backup] [--out weights.npz]
 
 Trains a seeded model data-parallel on 2 simulated devices with a
 ParallelModelCheckpoint saving FOLDER/ckpt.keras after every batch and, with
---backup, a ParallelBackupAndRestore in FOLDER/backup. Prints one line per
-epoch so the parent knows how far it got.
+--backup, a ParallelBackupAndRestore in FOLDER/backup (--keras-backup: Keras'
+own BackupAndRestore, the control of the crash tests, with the same crash
+point after its weights file). Prints one line per epoch so the parent knows
+how far it got.
 """
 
 import argparse
@@ -23,6 +25,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("folder")
 parser.add_argument("epochs", type=int)
 parser.add_argument("--backup", action="store_true")
+parser.add_argument("--keras-backup", action="store_true")
 parser.add_argument("--out")
 args = parser.parse_args()
 
@@ -38,6 +41,25 @@ parallel.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
 callbacks = [kerasmulti.ParallelModelCheckpoint(os.path.join(args.folder, "ckpt.keras"), save_freq=1)]
 if args.backup:
     callbacks.append(kerasmulti.ParallelBackupAndRestore(os.path.join(args.folder, "backup")))
+if args.keras_backup:
+    from kerasmulti import _faults
+
+    class KerasBackup(keras.callbacks.BackupAndRestore):
+        def _save_model(self):
+            # Keras writes the weights, then the epoch's JSON: the crash point between them.
+            save_weights = self.model.save_weights
+
+            def then_crash(*a, **k):
+                save_weights(*a, **k)
+                _faults.reached("backup:weights")
+
+            self.model.save_weights = then_crash
+            try:
+                super()._save_model()
+            finally:
+                del self.model.save_weights
+
+    callbacks.append(KerasBackup(os.path.join(args.folder, "backup")))
 callbacks.append(
     keras.callbacks.LambdaCallback(
         # Printed after the checkpoint callback (earlier in the list) has saved.
