@@ -113,6 +113,22 @@ def timed_rounds(variants: list, repeats: int, run: Callable[[object], None]) ->
 # ------------------------------------------------------------------ failures
 
 
+def build_variants(builders, variant_class=None) -> list:
+    """One variant per `(name, builder)`; `builder()` returns `(model, scope)`.
+
+    A variant whose setup fails is kept, with its error, for the table.
+    """
+    variants = []
+    for name, builder in builders:
+        variant = (variant_class or TrainPredictVariant)(name)
+        try:
+            variant.model, variant.scope = builder()
+        except Exception as error:  # reported in the table, never raised
+            record_failure(variant, error)
+        variants.append(variant)
+    return variants
+
+
 def error_summary(error: Exception) -> str:
     """The error's type and the first line of its message, for a table cell."""
     first_line = (str(error).strip().splitlines() or [""])[0]

@@ -44,7 +44,7 @@ import time
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import check, configure_devices, make_parser, median, print_environment, print_train_predict_table
-from _common import Sizes, TrainPredictVariant, record_failure, run_reporting, scaled, timed_rounds
+from _common import Sizes, TrainPredictVariant, build_variants, run_reporting, scaled, timed_rounds
 from _common import run_once, warn_missing_devices
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
@@ -125,15 +125,7 @@ def make_variants(devices: list[str], n: int) -> list[Variant]:
     ]
     if tf.config.list_physical_devices("GPU"):
         builders.append((f"parallelize(gpus={n}, cpu_merge=False)", wrapper(n, cpu_merge=False)))
-    variants = []
-    for name, builder in builders:
-        variant = Variant(name)
-        try:
-            variant.model, variant.scope = builder()
-        except Exception as error:  # reported in the table, never raised
-            record_failure(variant, error)
-        variants.append(variant)
-    return variants
+    return build_variants(builders)
 
 
 def benchmark(variants: list[Variant], sizes: Sizes) -> None:

@@ -38,7 +38,7 @@ import time
 
 # First: _common sets TensorFlow's environment defaults before TensorFlow loads.
 from _common import Sizes, TrainPredictVariant, check, configure_devices, fmt, make_parser, median
-from _common import print_environment, print_train_predict_table, record_failure, run_once
+from _common import build_variants, print_environment, print_train_predict_table, run_once
 from _common import run_reporting, scaled, timed_rounds, warn_missing_devices
 
 import keras  # noqa: E402
@@ -133,15 +133,7 @@ def make_variants(build, devices: list[str], n: int) -> list[Variant]:
         (f"parallelize(gpus={n}), XLA, cpu_merge=False", wrapper(n, jit=True, cpu_merge=False)),
         (f"MirroredStrategy ({n})", mirrored),
     ]
-    variants = []
-    for name, builder in builders:
-        variant = Variant(name)
-        try:
-            variant.model, variant.scope = builder()
-        except Exception as error:  # reported in the table, never raised
-            record_failure(variant, error)
-        variants.append(variant)
-    return variants
+    return build_variants(builders, Variant)
 
 
 def first_epochs(variants: list[Variant], x, y, batch_size: int) -> None:

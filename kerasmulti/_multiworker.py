@@ -45,7 +45,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
 
-from kerasmulti import _cluster, _feeding, _losses, _sources, _split
+from kerasmulti import _cluster, _feeding, _losses, _split
 from kerasmulti._parallel import ParallelModel
 
 
@@ -175,7 +175,7 @@ class WorkerModel(ParallelModel):
             lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
         ).prefetch(2)
         options = tf.data.Options()
-        options.autotune.enabled = False  # as _sources.batched: no teardown stall
+        options.autotune.enabled = False  # no teardown stall (see _sources.batched)
         # The epoch is read when each epoch's order is drawn.
         options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
