@@ -168,8 +168,8 @@ class CompiledReplicas:
 
     def _arguments(self, pieces, shards, shares, batch, training, loss_scale):
         """Each replica's arguments: the variables' values, its rows, its scalars."""
-        trainable = [tf.convert_to_tensor(v) for v in self._template.trainable_variables] if training else []
-        frozen = [tf.convert_to_tensor(v) for v in self._template.trainable_variables] if not training else []
+        values = [tf.convert_to_tensor(v) for v in self._template.trainable_variables]
+        trainable, frozen = (values, []) if training else ([], values)
         non_trainable = [tf.convert_to_tensor(v) for v in self._template.non_trainable_variables]
         batch = tf.cast(batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)

@@ -94,6 +94,13 @@ class ParallelModel(keras.Model):
             **dict(self._compile_config.config, optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         )
 
+    def _resolve_auto_jit_compile(self):
+        # Keras' "auto" for a model never compiled (predict straight after
+        # parallelize): the outer step spans the devices, so XLA stays off.
+        if len(self._replica_devices) > 1:
+            return False
+        return super()._resolve_auto_jit_compile()
+
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`_feeding`)."""
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)

@@ -74,6 +74,15 @@ def test_auto_stays_off_on_cpu_and_true_forces_it():
     assert single.jit_compile is True and single.replica_jit_compile is False
 
 
+def test_an_uncompiled_parallel_model_never_puts_its_outer_step_under_xla(monkeypatch):
+    # Where Keras would pick XLA (a GPU), the step of a parallel model used
+    # without compile() (predict) spans the devices and must stay plain.
+    monkeypatch.setattr(keras.Model, "_resolve_auto_jit_compile", lambda self: True)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert kerasmulti.parallelize(model, gpus=2).jit_compile is False
+    assert kerasmulti.parallelize(model, gpus=1).jit_compile is True
+
+
 def test_auto_follows_keras_and_keeps_synchronized_batchnorm_exact(monkeypatch):
     plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     synced = keras.Sequential([keras.Input((2,)), keras.layers.BatchNormalization(synchronized=True)])
