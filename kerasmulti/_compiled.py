@@ -40,7 +40,7 @@ from keras.src import backend
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 from keras.src.trainers.trainer import model_supports_jit
 
-from kerasmulti import _losses, _replicas
+from kerasmulti import _losses, _replicas, _split
 
 
 def synchronized_batchnorm(template) -> list:
@@ -218,6 +218,7 @@ class CompiledReplicas:
             tape.watch(trainable)
             with backend.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 y_pred = template(x, training=training)
+                _split.check_batch_axis(y_pred, x)
                 if mode == "forward":
                     return {"y_pred": y_pred, "masks": tree.map_structure(get_keras_mask, y_pred)}
                 with _losses.replica_part(share, valid, rows, local):

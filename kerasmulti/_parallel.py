@@ -151,7 +151,9 @@ class ParallelModel(keras.Model):
             _replicas.set_valid(shards[i].size)
             # Losses its layers add (regularisers, add_loss) count by its rows.
             with _losses.added_losses_scaled(self._template, shares[i]):
-                return self._template(pieces[i], training=training)
+                output = self._template(pieces[i], training=training)
+            _split.check_batch_axis(output, pieces[i])
+            return output
 
         synchronized = bool(training) and bool(self._batchnorm)
         if synchronized and record.could_possibly_record():
@@ -216,6 +218,7 @@ class ParallelModel(keras.Model):
             )
             with tf.GradientTape() as tape:
                 y_pred = self._template(x_i, training=training)
+                _split.check_batch_axis(y_pred, x_i)
                 with part:
                     loss = self._compute_loss(
                         x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=training

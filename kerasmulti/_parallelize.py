@@ -9,10 +9,12 @@ renormalisation) are refused here, before anything is traced.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import keras
 import tensorflow as tf
+from keras.src import backend
 
 from kerasmulti import _cluster, _devices
 from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
@@ -35,6 +37,23 @@ def _refuse_unsplittable(model) -> None:
                 f"'{layer.name}': its correction terms are not synchronised "
                 "across replicas. Use BatchNormalization(renorm=False), or run "
                 f"on one device. Received: layer={layer.name!r} with renorm=True"
+            )
+
+
+# Keras layers whose output for a row depends on other rows of the batch
+# (besides BatchNormalization, which replicas synchronise).
+_ROW_MIXING = ("MixUp", "CutMix")
+
+
+def _warn_row_mixing(model, stacklevel) -> None:
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
+            warnings.warn(
+                f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows of its batch: on "
+                "several devices it mixes within each replica's sub-batch, so training "
+                "differs from one device. Apply it in the input pipeline (tf.data) to mix "
+                f"across the whole batch. Received: layer={layer.name!r}",
+                stacklevel=stacklevel + 1,
             )
 
 
@@ -128,6 +147,7 @@ def parallelize(
     if strategy is not None:
         _check_model(model)
         _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        _warn_row_mixing(unwrap(model), stacklevel=2)
         from kerasmulti import _multiworker
 
         return _multiworker.adopt(unwrap(model), strategy)
@@ -140,6 +160,8 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
         model = model._template
     _check_model(model)
     replica_devices = _devices.resolve_devices(gpus, devices)
+    if len(replica_devices) > 1:
+        _warn_row_mixing(model, stacklevel=3)
     if cpu_relocation:
         _relocate_to_cpu(model)
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
@@ -162,4 +184,27 @@ def _check_model(model) -> None:
             "model.build(input_shape) or call the model on one batch first. "
             f"Received: model={model.name!r} with built=False"
         )
+    _build_layers(model)
     _refuse_unsplittable(model)
+
+
+def _build_layers(model) -> None:
+    """Creates the weights of a model built with `build(shape)` but not yet called.
+
+    Keras marks a subclassed model without a `build()` method built at once
+    and creates its layers' weights at the first call; one device does that
+    in its first step, but replicas must share weights that exist before
+    they run. This is the symbolic build Keras runs under a strategy.
+    """
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    shape = (model.get_build_config() or {}).get("input_shape")
+    try:
+        inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s, dtype=model.input_dtype), shape)
+        backend.compute_output_spec(model, inputs, training=False)
+    except Exception as error:
+        raise ValueError(
+            f"parallelize() could not create the weights of '{model.name}' from "
+            f"its build shape: {error}. Call the model on one batch of real data "
+            f"first. Received: model={model.name!r} built with input_shape={shape}"
+        ) from error

@@ -144,7 +144,35 @@ def merge(outputs: list, shards: list[Shard]):
     return tree.pack_sequence_as(outputs[0], merged)
 
 
+def check_batch_axis(outputs, inputs) -> None:
+    """Refuses a replica's output that lost or changed its batch axis.
+
+    Replica outputs are joined along axis 0, so each must keep one row per
+    input row; a squeeze without an axis drops it on a 1-row sub-batch.
+    Checked on static shapes, where the trace knows them.
+    """
+    rows = next((t.shape[0] for t in tree.flatten(inputs) if t is not None and len(t.shape)), None)
+    for t in tree.flatten(outputs):
+        _check_rows(t, rows)
+
+
+def _check_rows(t, rows) -> None:
+    shape = getattr(t, "shape", None)
+    if shape is None or shape.rank is None:
+        return  # unknown rank (a compiled replica's trace): merge checks it
+    if shape.rank == 0 or (isinstance(rows, int) and shape[0] is not None and shape[0] != rows):
+        raise ValueError(
+            f"A replica's output must keep one row per input row, but a sub-batch of "
+            f"{rows if rows is not None else 'unknown'} row(s) gave an output of shape "
+            f"{tuple(shape)}, so the replicas' outputs cannot be joined. Keep axis 0 "
+            "in every output (e.g. squeeze(x, axis=-1), not squeeze(x)), or run the "
+            f"model on one device. Received: output shape {tuple(shape)}"
+        )
+
+
 def _concat(pieces, shards):
+    for t, s in zip(pieces, shards):
+        _check_rows(t, s.take)
     trimmed = [t if isinstance(s.size, int) else t[: s.size] for t, s in zip(pieces, shards)]
     return tf.concat(trimmed, axis=0)
 

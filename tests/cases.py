@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import warnings
 from typing import Callable
 
 import keras
@@ -113,6 +114,16 @@ def _subclassed():
     return model
 
 
+def _subclassed_built_by_shape():
+    # The build the unbuilt-model error recommends: Keras marks the model
+    # built, but its layers get their weights only at the first call.
+    model = Subclassed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Keras: "does not have a build() method"
+        model.build((None, 6))
+    return model
+
+
 def _regression(rng, n):
     return rng.normal(size=(n, 6)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
 
@@ -161,6 +172,7 @@ CASES = [
     Case("functional_multi_io", _multi_io, _multi_io_data, _multi_io_compile),
     Case("dict_inputs", _dict_inputs, _dict_data, _mse_compile),
     Case("subclassed", _subclassed, _regression, _mse_compile),
+    Case("subclassed_built_by_shape", _subclassed_built_by_shape, _regression, _mse_compile),
     Case("nested", _nested, _regression, _mse_compile),
     Case("batchnorm", _batchnorm, _image_data, _mse_compile),
     Case("rnn", _rnn, _sequence_data, _mse_compile),

@@ -70,3 +70,94 @@ def test_batch_sizes_that_disagree_at_run_time_are_refused():
     spec = step.get_concrete_function(tf.TensorSpec((None, 2)), tf.TensorSpec((None, 3)))
     with pytest.raises(tf.errors.InvalidArgumentError, match="same batch size.*Received: different batch sizes"):
         spec(tf.zeros((4, 2)), tf.zeros((5, 3)))
+
+
+class SqueezedModel(keras.Model):
+    """Squeezes every axis of size 1: on a 1-row sub-batch that includes the batch axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return keras.ops.squeeze(self.dense(x))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "xla"])
+def test_output_that_loses_its_batch_axis_is_refused(jit):
+    model = SqueezedModel()
+    model(np.zeros((2, 4), "float32"))
+    x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
+    assert model.predict(x, verbose=0).shape == (3,)  # fine on one device
+    parallel = kerasmulti.parallelize(model, gpus=2)  # 3 rows: sub-batches of 2 and 1
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=jit)
+    message = r"keep one row per input row.*sub-batch of 1 row\(s\).*squeeze\(x, axis=-1\).*Received: output shape \(\)"
+    with pytest.raises(ValueError, match=message):
+        parallel.predict(x, batch_size=3, verbose=0)
+    if not jit:
+        # A compiled replica's trace generalises the batch axis, so there the
+        # squeeze's rank is unknown and Keras' loss refuses it first.
+        with pytest.raises(ValueError, match=message):
+            parallel.fit(x, np.zeros(3, "float32"), batch_size=3, verbose=0)
+
+
+class NeedsSixFeatures(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(keras.ops.concatenate([x, keras.ops.ones((6,))[None, :] * x], axis=-1))
+
+
+def test_model_whose_build_shape_cannot_run_is_refused():
+    import warnings
+
+    model = NeedsSixFeatures()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        model.build((None, 3))  # marked built; its call cannot run on 3 features
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)could not create the weights of .* from its build shape.*one batch of real data.*input_shape=\(None, 3\)",
+    ):
+        kerasmulti.parallelize(model, gpus=2)
+
+
+def _looks_across_rows():
+    """The probe docs/data-parallel.md gives users, taken from the page itself."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "data-parallel.md").read_text()
+    code = page.split("### Models that look across rows", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(code, namespace)
+    return namespace["looks_across_rows"]
+
+
+def test_the_documented_probe_spots_a_model_that_looks_across_rows():
+    probe = _looks_across_rows()
+    x = np.random.default_rng(1).normal(size=(8, 3)).astype("float32")
+    inputs = keras.Input((3,))
+    centred = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(inputs)
+    mixing = keras.Model(inputs, keras.layers.Dense(2)(centred))
+    row_wise = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.LayerNormalization()])
+    assert probe(mixing, x)
+    assert not probe(row_wise, x)
+    # ... and the probe's verdict is what splitting does: the mixing model's parallel output differs.
+    parallel = kerasmulti.parallelize(mixing, gpus=2)
+    assert not np.allclose(parallel.predict(x, batch_size=8, verbose=0), mixing.predict(x, batch_size=8, verbose=0))
+
+
+@pytest.mark.parametrize("layer", ["MixUp", "CutMix"])
+def test_keras_layers_that_mix_rows_are_warned_about(layer):
+    mixer = getattr(keras.layers, layer)(name="mixer")
+    shape = (8, 8, 3)
+    model = keras.Sequential([keras.Input(shape), mixer, keras.layers.Flatten(), keras.layers.Dense(1)])
+    with pytest.warns(UserWarning, match=rf"Layer 'mixer' \({layer}\) mixes rows.*input pipeline.*Received: layer='mixer'"):
+        kerasmulti.parallelize(model, gpus=2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kerasmulti.parallelize(model, gpus=1)  # one device: nothing to warn about
