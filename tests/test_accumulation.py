@@ -1,0 +1,73 @@
+"""Gradient accumulation: Keras' `gradient_accumulation_steps` on a parallel model.
+
+The optimizer sums (averages) the gradients of k steps and applies them on
+every k-th; the parallel model hands it the one-device gradient of each step,
+so the weights equal one device's, remainder batches included.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+from cases import assert_same_weights
+from conftest import DEVICES
+
+
+def _model(batchnorm):
+    layers = [keras.Input((5,)), keras.layers.Dense(6, activation="relu")]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization(momentum=0.5))
+    return keras.Sequential(layers + [keras.layers.Dense(1)])
+
+
+def _pair(batchnorm, seed=5):
+    keras.utils.set_random_seed(seed)
+    reference = _model(batchnorm)
+    keras.utils.set_random_seed(seed)
+    return reference, _model(batchnorm)
+
+
+def _compile(model, steps, **kwargs):
+    optimizer = keras.optimizers.Adam(learning_rate=0.05, gradient_accumulation_steps=steps)
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "batchnorm,jit", [(False, False), (True, False), (False, True)], ids=["dense", "batchnorm", "dense-xla"]
+)
+@pytest.mark.parametrize("steps", [2, 3])
+def test_accumulated_gradients_give_one_device_weights(batchnorm, jit, steps):
+    rng = np.random.default_rng(21)
+    # 22 rows in batches of 4: 6 steps a epoch, the last of 2 rows (a remainder),
+    # and with steps=3 or 2 an accumulation that spans the epoch boundary or not.
+    x = rng.normal(size=(22, 5)).astype("float32")
+    y = rng.normal(size=(22, 1)).astype("float32")
+    reference, template = _pair(batchnorm)
+    initial = [np.asarray(w) for w in template.weights]
+    _compile(reference, steps)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    _compile(parallel, steps, jit_compile=jit)
+    fit = dict(batch_size=4, epochs=3, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **fit).history
+    got = parallel.fit(x, y, **fit).history
+    assert_same_weights(reference, template)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert any(not np.allclose(np.asarray(w), w0) for w, w0 in zip(template.weights, initial))
+
+
+def test_accumulation_applies_only_every_kth_step():
+    """The control: with k=3, two steps leave the weights where they were."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 5)).astype("float32")
+    y = rng.normal(size=(8, 1)).astype("float32")
+    _, template = _pair(False)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    _compile(parallel, 3)
+    before = [np.asarray(w) for w in template.trainable_weights]
+    parallel.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # 2 steps
+    for w, w0 in zip(template.trainable_weights, before):
+        np.testing.assert_array_equal(np.asarray(w), w0)
+    parallel.fit(x[:4], y[:4], batch_size=4, epochs=1, shuffle=False, verbose=0)  # the 3rd
+    assert any(not np.allclose(np.asarray(w), w0) for w, w0 in zip(template.trainable_weights, before))
