@@ -12,3 +12,32 @@ import kerasmulti  # noqa: E402
 
 DEVICES = 3
 kerasmulti.simulate_devices(DEVICES)
+
+
+import zlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+_unseeded_rng = np.random.default_rng
+
+
+@pytest.fixture(autouse=True)
+def seeded_data(request, monkeypatch):
+    """Makes every `np.random.default_rng()` a test draws without a seed reproducible.
+
+    The seed comes from the test's id (or KERASMULTI_TEST_SEED, to draw other
+    data) and is printed, so a failure shows how to reproduce it; each unseeded
+    call in the test gets the next stream of that seed. Seeded calls are untouched.
+    """
+    seed = int(os.environ.get("KERASMULTI_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
+    print(f"data seed: {seed} (KERASMULTI_TEST_SEED={seed} reproduces it)")
+    calls = iter(range(1 << 30))
+
+    def default_rng(seed_or_none=None):
+        if seed_or_none is None:
+            return _unseeded_rng([seed, next(calls)])
+        return _unseeded_rng(seed_or_none)
+
+    monkeypatch.setattr(np.random, "default_rng", default_rng)
+    yield seed
