@@ -34,13 +34,12 @@ advanced state is kept.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras import tree
-from keras.src import backend
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-from keras.src.trainers.trainer import model_supports_jit
 
 from kerasmulti import _losses, _replicas, _split
+from kerasmulti._private import get_keras_mask, model_supports_jit, set_keras_mask
 
 
 def synchronized_batchnorm(template) -> list:
@@ -216,7 +215,7 @@ class CompiledReplicas:
         local = _Totals(rows, batch, totals)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(trainable)
-            with backend.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 y_pred = template(x, training=training)
                 _split.check_batch_axis(y_pred, x)
                 if mode == "forward":

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import inspect
 
+import keras
 import tensorflow as tf
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+
+from kerasmulti._private import array_data_adapter, array_slicing
 
 
 def bound(method, args, kwargs) -> dict:
@@ -68,7 +70,7 @@ def fit_arguments(arguments: dict) -> dict:
         y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False, validation_split=0.0,
     )
     if validation_data is not None and arguments["validation_steps"] is None:
-        val_x, val_y, val_weight = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
         if _arrays(val_x, val_y, val_weight):
             validation_data = pipeline(val_x, val_y, val_weight, arguments["validation_batch_size"] or batch_size)
             arguments["validation_batch_size"] = None

@@ -27,8 +27,8 @@ from typing import Callable
 
 import numpy as np
 from keras import ops
-from keras.src.backend.common import global_state
-from keras.src.losses import loss as loss_module
+
+from kerasmulti._private import global_state, loss_module
 
 _local = threading.local()
 _original = loss_module.reduce_weighted_values

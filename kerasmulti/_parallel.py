@@ -23,12 +23,9 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src import backend
-from keras.src.losses import loss as loss_module
-from keras.src.trainers.data_adapters import data_adapter_utils
-from tensorflow.python.eager import record
 
 from kerasmulti import _compiled, _feeding, _losses, _replicas, _split
+from kerasmulti._private import compute_output_spec, loss_module, record
 
 
 class ParallelModel(keras.Model):
@@ -175,7 +172,7 @@ class ParallelModel(keras.Model):
             return _split.merge(outputs, shards)
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = self._replica_step(x, y, sample_weight, training=True)
         if step is None:
             return super().train_step(data)
@@ -187,7 +184,7 @@ class ParallelModel(keras.Model):
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = self._replica_step(x, y, sample_weight, training=False)
         if step is None:
             return super().test_step(data)
@@ -263,8 +260,8 @@ class ParallelModel(keras.Model):
         """
         if self._compile_loss is None or self._compile_loss.built:
             return
-        y_pred = backend.compute_output_spec(self._template, x, training=False)
-        backend.compute_output_spec(
+        y_pred = compute_output_spec(self._template, x, training=False)
+        compute_output_spec(
             self._compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
         )
 

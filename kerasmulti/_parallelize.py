@@ -14,10 +14,10 @@ from typing import Sequence
 
 import keras
 import tensorflow as tf
-from keras.src import backend
 
 from kerasmulti import _cluster, _devices
 from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
+from kerasmulti._private import compute_output_spec
 
 
 def _refuse_unsplittable(model) -> None:
@@ -201,7 +201,7 @@ def _build_layers(model) -> None:
     shape = (model.get_build_config() or {}).get("input_shape")
     try:
         inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s, dtype=model.input_dtype), shape)
-        backend.compute_output_spec(model, inputs, training=False)
+        compute_output_spec(model, inputs, training=False)
     except Exception as error:
         raise ValueError(
             f"parallelize() could not create the weights of '{model.name}' from "

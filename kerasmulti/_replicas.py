@@ -28,9 +28,9 @@ import contextlib
 import threading
 from typing import Callable
 
+import keras
 import tensorflow as tf
 from keras import layers, ops
-from keras.src import backend
 
 _local = threading.local()
 
@@ -181,7 +181,7 @@ def _synchronized_call(layer, original):
         rendezvous = getattr(_local, "sync", None)
         if rendezvous is None or not (training and layer.trainable):
             return original(inputs, training=training, mask=mask)
-        x = ops.cast(inputs, backend.result_type(inputs.dtype, "float32"))
+        x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         axes = layer._reduction_axes
         valid = ops.cast(_local.valid, x.dtype)
         # As Keras' _moments: masked elements are left out (`where`, so that
@@ -191,7 +191,7 @@ def _synchronized_call(layer, original):
             kept, epsilon = None, 0.0
         else:
             kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
-            epsilon = backend.epsilon()
+            epsilon = keras.backend.epsilon()
 
         def masked(values):
             return values if kept is None else ops.where(kept, values, 0)

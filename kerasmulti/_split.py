@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 from keras import tree
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from kerasmulti import _replicas
+from kerasmulti._private import get_keras_mask, set_keras_mask
 
 
 class Shard(NamedTuple):

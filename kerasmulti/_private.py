@@ -1,0 +1,57 @@
+"""Every private Keras and TensorFlow name kerasmulti imports, in one place.
+
+kerasmulti owns its training step, so it reaches into Keras where no public
+name does the job. Each import below says what it is for and why no public
+name serves; where Keras has a public name (`keras.utils.unpack_x_y_sample_weight`,
+`keras.StatelessScope`, `keras.backend.epsilon`), the code uses that instead.
+`tests/test_private.py` checks every name here still exists with the
+signature kerasmulti calls it with, so a Keras or TensorFlow release that
+moves one fails that test by name instead of changing behaviour silently.
+The versions these were read from are the ones `setup.cfg` pins.
+
+Patches of Keras objects (the loss reduction in `_losses.py`, the layer call
+in model placement, BatchNormalization in `_replicas.py`) live with the
+feature they serve; what they patch is imported from here.
+"""
+
+# Builds a model's variables (and Keras' compiled loss) symbolically, as
+# Keras does before a step under a distribution strategy (`_symbolic_build`).
+# Public `Layer.compute_output_spec` calls `call` directly and skips Keras'
+# own argument handling (`training=` on models whose call does not take it).
+from keras.src.backend import compute_output_spec
+
+# A tensor's Keras mask travels as an attribute the public API neither reads
+# nor writes; replica outputs are merged with theirs.
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+# Whether a layer call is in progress (Keras' call context): a loss computed
+# inside a layer (add_loss) is not a replica's part of the batch's loss.
+from keras.src.backend.common import global_state
+
+# Keras' loss module: `reduce_weighted_values` is the one function every Keras
+# loss reduces through, so a replica's share of the batch's loss is patched in
+# there (`_losses.py`); the other helpers are the ones that function uses.
+from keras.src.losses import loss as loss_module
+
+# Keras' own test of whether a model can run under XLA (`jit_compile="auto"`).
+from keras.src.trainers.trainer import model_supports_jit
+
+# Keras' array pipeline (batches, shuffling, class weights, validation split)
+# with tf.data autotuning off (`_feeding.py`); `fit` builds it only internally.
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+
+# Whether a GradientTape is recording: a user's tape cannot see replicas that
+# run on threads of their own. TensorFlow has no public way to ask.
+from tensorflow.python.eager import record
+
+__all__ = [
+    "array_data_adapter",
+    "array_slicing",
+    "compute_output_spec",
+    "get_keras_mask",
+    "global_state",
+    "loss_module",
+    "model_supports_jit",
+    "record",
+    "set_keras_mask",
+]
