@@ -25,34 +25,7 @@ _os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # warnings and errors still show. A value the user set wins.
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-from kerasmulti._devices import DeviceError  # noqa: E402
-from kerasmulti._devices import available_devices  # noqa: E402
-from kerasmulti._devices import simulate_devices  # noqa: E402
-from kerasmulti._devices import _simulate_from_environment  # noqa: E402
-
-_simulate_from_environment()
-
-from kerasmulti import _cluster  # noqa: E402
-from kerasmulti._cluster import ClusterError  # noqa: E402
-from kerasmulti._cluster import initialize  # noqa: E402
-from kerasmulti._cluster import is_chief  # noqa: E402
-
-_cluster.start()  # before TensorFlow's first op, which building a model runs
-
-from kerasmulti._parallel import ParallelModel  # noqa: E402
-from kerasmulti._parallelize import parallelize  # noqa: E402
-from kerasmulti._parallel import unwrap  # noqa: E402
-from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
-from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
-from kerasmulti._inference import parallel_predict  # noqa: E402
-from kerasmulti._launch import LaunchError  # noqa: E402
-from kerasmulti._launch import launch  # noqa: E402
-from kerasmulti._placement import OnDevice  # noqa: E402
-from kerasmulti._placement import device_scope  # noqa: E402
-from kerasmulti._placement import on_device  # noqa: E402
-from kerasmulti._placement import remap_devices  # noqa: E402
-from kerasmulti._summary import PlacementSummary  # noqa: E402
-from kerasmulti._summary import placement_summary  # noqa: E402
+from kerasmulti import _entry  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -78,3 +51,39 @@ __all__ = [
     "simulate_devices",
     "unwrap",
 ]
+
+
+def _import_public() -> None:
+    """Imports TensorFlow and the public names, in the order their side effects need.
+
+    Devices are simulated (from `KERASMULTI_SIMULATE_DEVICES`) and the
+    cluster joined before TensorFlow's first op, which building a model runs.
+    """
+    global ClusterError, DeviceError, LaunchError, OnDevice, ParallelBackupAndRestore, ParallelModel
+    global ParallelModelCheckpoint, PlacementSummary, available_devices, device_scope, initialize
+    global is_chief, launch, on_device, parallel_predict, parallelize, placement_summary
+    global remap_devices, simulate_devices, unwrap
+    from kerasmulti._devices import DeviceError, available_devices, simulate_devices
+    from kerasmulti._devices import _simulate_from_environment
+
+    _simulate_from_environment()
+
+    from kerasmulti import _cluster
+    from kerasmulti._cluster import ClusterError, initialize, is_chief
+
+    _cluster.start()
+
+    from kerasmulti._parallel import ParallelModel, unwrap
+    from kerasmulti._parallelize import parallelize
+    from kerasmulti._callbacks import ParallelBackupAndRestore, ParallelModelCheckpoint
+    from kerasmulti._inference import parallel_predict
+    from kerasmulti._launch import LaunchError, launch
+    from kerasmulti._placement import OnDevice, device_scope, on_device, remap_devices
+    from kerasmulti._summary import PlacementSummary, placement_summary
+
+
+# The command parses its arguments first and then calls `_import_public`:
+# `kerasmulti --help` and argument errors answer without loading TensorFlow
+# (seconds).
+if not _entry.started_by_command_line():
+    _import_public()

@@ -2,7 +2,10 @@
 
 Device simulation has to happen before TensorFlow initialises its devices, so
 the command simulates devices (without GPUs) before anything else runs. Errors a user can fix are printed as one message with a
-non-zero exit, not a traceback.
+non-zero exit, not a traceback; Ctrl-C ends it with one line and exit 130, as
+a shell reports SIGINT. Arguments are parsed before TensorFlow loads (this
+module imports nothing heavy, and `import kerasmulti` waits for `main`), so
+`--help` and argument errors answer at once.
 """
 
 from __future__ import annotations
@@ -12,6 +15,17 @@ import os
 import sys
 
 DEFAULT_SIMULATED = 2
+INTERRUPTED = 130  # what a shell reports for SIGINT
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int. Received: {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a convnet on the digits data set, data-parallel")
     demo.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
-    demo.add_argument("--epochs", type=int, default=5)
-    demo.add_argument("--batch-size", type=int, default=128)
+    demo.add_argument("--epochs", type=_positive_int, default=5)
+    demo.add_argument("--batch-size", type=_positive_int, default=128)
     demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
     commands.add_parser("devices", help="list the devices replicas can use")
     predict = commands.add_parser(
@@ -41,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", required=True, help="HDF5 file for the results (resumed if it exists)")
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
     predict.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
-    predict.add_argument("--batch-size", type=int, default=32)
+    predict.add_argument("--batch-size", type=_positive_int, default=32)
     launch = commands.add_parser(
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
     )
@@ -117,15 +131,27 @@ def _refuse_local_options(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        kept = f"; the rows written so far stay in {args.output}: run the same command to go on" if args.command == "predict" else ""
+        print(f"kerasmulti: interrupted{kept}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run(args) -> int:
+    import kerasmulti
+
     if args.command == "launch":
         try:
+            kerasmulti._import_public()  # TensorFlow, now that the arguments are known
             return _launch(args)
         except ValueError as error:
             print(f"kerasmulti: error: {error}", file=sys.stderr)
             return 2
     try:
+        kerasmulti._import_public()
         _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
-        import kerasmulti
 
         if args.command == "devices":
             for device in kerasmulti.available_devices():

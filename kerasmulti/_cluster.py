@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import warnings
+
+from kerasmulti import _entry
 
 ENV_CONFIG = "TF_CONFIG"
 ENV_JOIN = "KERASMULTI_JOIN"
@@ -122,8 +123,7 @@ def is_chief() -> bool:
 def _started_by_command_line() -> bool:
     # `kerasmulti launch` with an existing TF_CONFIG imports this package but
     # must not take the worker's port: the worker it starts does.
-    argv = getattr(sys, "orig_argv", sys.argv)
-    return os.path.basename(sys.argv[0]) == "kerasmulti" or "kerasmulti._cli" in argv
+    return _entry.started_by_command_line()
 
 
 def start(requested: bool | None = None) -> None:

@@ -1,17 +1,13 @@
 """`parallel_predict`: data-parallel inference over data larger than memory.
 
 Batches are read one at a time (a background thread reads the next ones while
-the devices work), predicted by a parallel model, and either collected or
-streamed into an HDF5 file. The file is crash-safe by construction:
-
-- it is created complete, with every output dataset allocated at full size
-  (contiguous, allocated early) and a progress counter, under a temporary name
-  that is then renamed into place, so it is valid from the moment it exists;
-- afterwards only raw data is written in place (rows, then the counter, each
-  followed by a flush): HDF5's structure never changes, so a kill leaves a
-  readable file whose counter never exceeds the rows really written;
-- the same call again continues from the counter; a file written for another
-  model or input is refused.
+the devices work), predicted by a parallel model, and either collected (into
+arrays, or `tf.RaggedTensor`s where batches differ in shape, as
+`model.predict` returns them) or streamed into an HDF5 file that a killed
+run resumes (`_output_file`). The same call again continues from the file's
+counter; a file written for another model or input is refused, and so is an
+input whose outputs change shape between batches, before the file is touched
+where the input's batches are known in advance.
 """
 
 from __future__ import annotations
@@ -21,19 +17,16 @@ import queue
 import threading
 import time
 
-import h5py
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _atomic, _faults, _sources
-from kerasmulti import _cluster
+from kerasmulti import _cluster, _faults, _output_file, _sources
 from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._devices import is_positive_int, resolve_devices
 from kerasmulti._parallelize import _check_model, local_parallel
 
-PROGRESS = "kerasmulti_rows_done"
 _CACHE = "__kerasmulti_parallel_models"
 _STEP = "_kerasmulti_predict"
 _PREFETCH = 2
@@ -93,54 +86,16 @@ def _output_names(template, outputs) -> list[str]:
     return names
 
 
-def _create(path, rows, spec, names, attributes, extra):
-    def build(temporary):
-        with h5py.File(temporary, "w") as f:
-            for name, (shape, dtype) in zip(names, spec):
-                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-                # Early allocation: later writes touch raw data only, never
-                # HDF5's structure, so a kill cannot corrupt the file.
-                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-                f.create_dataset(name, shape=(rows, *shape), dtype=dtype, dcpl=dcpl)
-            f.create_dataset(PROGRESS, data=np.int64(0))
-            for key, value in extra.items():
-                f.create_dataset(key, data=value)
-            f.attrs.update(attributes)
-
-    _atomic.write(path, build)
-
-
-def _open_existing(path, attributes):
-    try:
-        f = h5py.File(path, "r+")
-    except OSError as error:
-        raise ValueError(
-            f"parallel_predict() cannot resume '{path}': it is not a readable "
-            "HDF5 file. Delete it or pick another output path. "
-            f"Received: output={path!r}"
-        ) from error
-    for key, value in attributes.items():
-        if f.attrs.get(key) != value:
-            f.close()
-            what = "model" if key == "kerasmulti_model" else "input"
-            raise ValueError(
-                f"parallel_predict() will not add to '{path}': it holds results "
-                f"of a different {what}, and mixing them would silently corrupt "
-                "it. Delete the file or choose another output path to start "
-                f"over. Received: output={path!r}"
-            )
-    return f
-
-
 def parallel_predict(
     model: keras.Model,
     data,
     gpus=None,
     devices=None,
     batch_size: int = 32,
-    output: str | None = None,
+    output: str | os.PathLike | None = None,
     verbose="auto",
     extra: dict | None = None,
+    steps: int | None = None,
 ):
     """Predicts over a data set on several devices, optionally into an HDF5 file.
 
@@ -150,7 +105,7 @@ def parallel_predict(
     input. With `output="features.h5"` the results stream into an HDF5 file,
     one dataset per model output, named after it; if the process dies, the same
     call continues where the file says it stopped, and every row ends up
-    written exactly once. The file's `kerasmulti_rows_done` dataset says how
+    written exactly once. The file's attribute `kerasmulti_rows_done` says how
     many rows are final.
 
     Args:
@@ -164,20 +119,25 @@ def parallel_predict(
         gpus: As in `parallelize`: how many devices, a list of ids, or None.
         devices: As in `parallelize`: explicit TensorFlow device names.
         batch_size: Rows per step for arrays and HDF5 datasets.
-        output: Path of an HDF5 file to stream results into, or None to return
-            them.
+        output: Path of an HDF5 file to stream results into (its folder is
+            made if missing), or None to return them.
         verbose: `"auto"` or 1 shows a progress bar with rows/s, 0 is quiet,
             2 prints one line at the end.
         extra: Arrays stored beside the results (e.g. `{"filenames": names}`),
             one row per input row.
+        steps: As in `model.predict`: how many batches to predict, or None
+            for all of them. Needed for an endless input (`.repeat()`).
 
     Returns:
         With `output=None`, the predictions, structured as `model.predict`
-        returns them; otherwise the output path.
+        returns them (a `tf.RaggedTensor` for an output whose batches differ
+        in shape); otherwise the output path.
 
     Raises:
-        ValueError: If the rows do not fit the model, `batch_size` is not a
-            positive int, or `output` holds results of another model or input.
+        ValueError: If the rows do not fit the model, `batch_size` or `steps`
+            is not a positive int, `output` cannot be written or holds results
+            of another model or input, or an output's rows change shape
+            between batches with `output` set.
         TypeError: If `data` is of a kind it cannot read.
 
     Example:
@@ -194,7 +154,39 @@ def parallel_predict(
             "parallel_predict() needs batch_size to be a positive int, the rows "
             f"predicted per step. Received: batch_size={batch_size!r}"
         )
-    if output is not None and not _cluster.is_chief():
+    if steps is not None and not is_positive_int(steps):
+        raise ValueError(
+            "parallel_predict() needs steps to be a positive int, the batches to "
+            f"predict, or None for all of them. Received: steps={steps!r}"
+        )
+    if output is not None:
+        output = _output_file.check_path(output)
+        _refuse_on_other_workers(output)
+    if type(model) is ParallelModel and gpus is None and devices is None:
+        parallel = model  # its compiled step is reused across calls
+    else:
+        parallel = _parallel_of(unwrap(model), gpus, devices)
+    template = parallel._template
+    _warn_overrides(template, ("predict_step",))
+    source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
+    if source.rows == 0 or source.sample() is None:
+        raise ValueError(
+            "parallel_predict() got an input with no rows, so there is nothing "
+            "to predict. Pass data with at least one row. Received: 0 rows"
+        )
+    _sources.check_inputs(template, source.sample())
+    verbose = 1 if verbose == "auto" else verbose
+    predict = _predictor(parallel)
+    if output is None:
+        collected = [batch for batch, _ in _run(predict, source, 0, batch_size, verbose)]
+        return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
+    _output_file.check_not_input(data, output)
+    _stream(predict, template, source, output, batch_size, verbose, extra or {})
+    return output
+
+
+def _refuse_on_other_workers(output: str) -> None:
+    if not _cluster.is_chief():
         raise _cluster.ClusterError(
             "parallel_predict() writes its output file on the chief (worker 0) "
             "only: every worker writing the same file would clobber it. Call it "
@@ -202,71 +194,80 @@ def parallel_predict(
             "and data. Received: output="
             f"{output!r} on worker {_cluster.config()['task']['index']}"
         )
-    if type(model) is ParallelModel and gpus is None and devices is None:
-        parallel = model  # its compiled step is reused across calls
-    else:
-        parallel = _parallel_of(unwrap(model), gpus, devices)
-    template = parallel._template
-    _warn_overrides(template, ("predict_step",))
-    source = _sources.make_source(data, counted=output is not None)
-    if source.rows == 0 or source.sample() is None:
-        raise ValueError(
-            "parallel_predict() got an input with no rows, so there is nothing "
-            "to predict. Pass data with at least one row. Received: 0 rows"
-        )
-    sample = source.sample()
-    _sources.check_shapes(template, sample)
-    verbose = 1 if verbose == "auto" else verbose
-    predict = _predictor(parallel)
 
-    if output is None:
-        collected = []
-        for batch, _ in _run(predict, source, 0, batch_size, verbose):
-            collected.append(batch)
-        return tree.map_structure(lambda *parts: np.concatenate(parts), *collected)
 
+def _concatenate(parts):
+    """Joins batches as `model.predict` does: one array, or a `tf.RaggedTensor` where their row shapes differ."""
+    shapes = [np.shape(part)[1:] for part in parts]
+    if all(shape == shapes[0] for shape in shapes):
+        return np.concatenate(parts)
+    # Ragged up to the last dimension that differs, as Keras makes it.
+    ragged_rank = max(d for d in range(len(shapes[0])) if len({s[d] for s in shapes}) > 1) + 1
+    return tf.concat([tf.RaggedTensor.from_tensor(part, ragged_rank=ragged_rank) for part in parts], axis=0)
+
+
+def _stream(predict, template, source, output, batch_size, verbose, extra) -> None:
+    """Predicts into the HDF5 file `output`, creating it or resuming it."""
     attributes = {
-        "kerasmulti_model": _sources.model_fingerprint(template),
+        _output_file.MODEL: _sources.model_fingerprint(template),
         "kerasmulti_input": _sources.fingerprint(source),
         "kerasmulti_rows": source.rows,
     }
-    _check_not_input(data, output)
+    sample = source.sample()
     outputs = predict(sample)
     names = _output_names(template, outputs)
+    spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
+    _check_row_shapes(template, source, sample, names, spec, output)
     if not os.path.exists(output):
-        spec = [(np.shape(o)[1:], _file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
-        _create(output, source.rows, spec, names, attributes, extra or {})
-    with _open_existing(output, attributes) as f:
-        done = int(f[PROGRESS][()])
+        _output_file.create(output, source.rows, spec, names, attributes, extra)
+    with _output_file.open_existing(output, attributes) as f:
+        done = _output_file.rows_done(f)
         for batch, (begin, end) in _run(predict, source, done, batch_size, verbose):
-            for name, values in zip(names, tree.flatten(batch)):
-                f[name][begin:end] = np.asarray(values).astype(f[name].dtype, copy=False)
+            values = [np.asarray(v) for v in tree.flatten(batch)]
+            for name, value in zip(names, values):  # all checked before any is written
+                if value.shape[1:] != f[name].shape[1:]:
+                    raise _row_shape_changed(name, f[name].shape[1:], value.shape[1:], begin, output)
+            for name, value in zip(names, values):
+                f[name][begin:end] = value.astype(f[name].dtype, copy=False)
             f.flush()
             _faults.reached("predict:rows")
-            f[PROGRESS][()] = end  # only after the rows are on disk
+            _output_file.set_rows_done(f, end)  # only after the rows are on disk
             f.flush()
             _faults.reached("predict:counter")
-    return output
 
 
-def _file_dtype(dtype: np.dtype) -> np.dtype:
-    # HDF5 has no bfloat16 (mixed_bfloat16 outputs): h5py would store opaque
-    # bytes. float32 holds every bfloat16 value exactly.
-    return np.dtype("float32") if dtype.name == "bfloat16" else dtype
+def _check_row_shapes(template, source, sample, names, spec, output) -> None:
+    """Refuses, before the file is touched, an input whose outputs would change row shape.
 
-
-def _check_not_input(data, output: str) -> None:
-    """Refuses an output path that is the input's own file."""
-    if not os.path.exists(output):
+    The input row shapes known in advance (every batch of a tf.data
+    pipeline, the first and last of a PyDataset) are run through the model
+    symbolically; other batches are checked as they come, before they are
+    written.
+    """
+    row_shapes = source.row_shapes()
+    if len(row_shapes) < 2:
         return
-    for leaf in tree.flatten(data):
-        file = getattr(getattr(leaf, "file", None), "filename", None) or getattr(leaf, "filename", None)
-        if isinstance(file, (str, os.PathLike)) and os.path.exists(file) and os.path.samefile(file, output):
-            raise ValueError(
-                f"parallel_predict() would write its results into '{output}', the "
-                "file it reads its input from, which would destroy the input. "
-                f"Choose another output path. Received: output={output!r}"
-            )
+    leaves = tree.flatten(sample)
+    for shapes, row in row_shapes.items():
+        try:
+            symbolic = [keras.KerasTensor((None, *s), dtype=a.dtype.name) for s, a in zip(shapes, leaves)]
+            outputs = tree.flatten(template.compute_output_spec(tree.pack_sequence_as(sample, symbolic)))
+        except Exception:  # a model Keras cannot run symbolically: checked batch by batch
+            return
+        for name, (first, _), tensor in zip(names, spec, outputs):
+            shape = tuple(tensor.shape[1:])
+            if None not in shape and shape != tuple(first):
+                raise _row_shape_changed(name, first, shape, row, output)
+
+
+def _row_shape_changed(name, first, shape, row, output) -> ValueError:
+    return ValueError(
+        f"Output '{name}' has rows of shape {tuple(first)} in the first batch but "
+        f"{tuple(shape)} from row {row}, and the HDF5 file '{output}' holds one row "
+        "shape per output. Pad the input to one shape (padded_batch(..., "
+        "padded_shapes=...)), or pass output=None to get a tf.RaggedTensor, as "
+        f"model.predict returns. Received: output={output!r}"
+    )
 
 
 def _parallel_of(model, gpus, devices) -> ParallelModel:

@@ -2,24 +2,36 @@
 
 INPUT is an HDF5 file (`--dataset NAME` picks the dataset), an `.npy` file
 (memory-mapped, so it may exceed memory), or a folder of images, resized to
-the model's input and read in name order; their file names are stored in the
-output's `filenames` dataset. Mistakes a user can fix raise `ValueError`,
-which the command prints as one line.
+the model's input and read in name order (with Pillow, as
+`keras.utils.load_img` reads them); their file names are stored in the
+output's `filenames` dataset. Mistakes a user can fix raise `ValueError`
+naming the file at fault, which the command prints as one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 
 import h5py
 import keras
 import numpy as np
 
-from kerasmulti import _sources
+from kerasmulti import _output_file
 from kerasmulti._inference import parallel_predict
 
 
 def _load_model(path: str):
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "saved_model.pb")):
+            raise ValueError(
+                f"'{path}' is a TensorFlow SavedModel folder, which Keras 3 cannot load "
+                "with load_model. Save the model as a .keras file with the Keras that "
+                "made it (model.save('model.keras')), or wrap the folder in "
+                f"keras.layers.TFSMLayer in a model and save that. Received: model={path!r}"
+            )
+        raise ValueError(f"'{path}' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model={path!r}")
     if not os.path.isfile(path):
         raise ValueError(f"The model file '{path}' does not exist. Received: model={path!r}")
     try:
@@ -32,7 +44,13 @@ def _load_model(path: str):
 
 
 def _hdf5_input(path: str, name: str | None, stack):
-    f = stack.enter_context(h5py.File(path, "r"))
+    try:
+        f = stack.enter_context(h5py.File(path, "r"))
+    except OSError as error:
+        raise ValueError(
+            f"'{path}' is damaged: it is not a readable HDF5 file. Check it, or write "
+            f"it again. Received: input={path!r}"
+        ) from error
     names = []
     f.visititems(lambda key, item: names.append(key) if isinstance(item, h5py.Dataset) else None)
     if name is None and len(names) == 1:
@@ -45,26 +63,109 @@ def _hdf5_input(path: str, name: str | None, stack):
     return f[name]
 
 
-def run(args) -> int:
-    import contextlib
+def _npy_input(path: str) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as error:  # numpy's advises allow_pickle
+        if _holds_objects(path):
+            raise ValueError(
+                f"'{path}' holds Python objects (an object array), which kerasmulti does not "
+                "load: unpickling can run code. Save a numeric array with numpy.save. "
+                f"Received: input={path!r}"
+            ) from error
+        raise ValueError(
+            f"'{path}' is damaged: it is not a readable .npy file. Write it again with "
+            f"numpy.save. Received: input={path!r}"
+        ) from error
 
+
+def _holds_objects(path: str) -> bool:
+    """Whether an .npy file's header declares an object array."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            return read(f)[2].hasobject
+    except (ValueError, OSError, EOFError):
+        return False
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+
+
+class ImageFolder(keras.utils.PyDataset):
+    """The images of a folder, sorted by name, resized to `(height, width)` as `keras.utils.load_img` does.
+
+    Not `keras.utils.image_dataset_from_directory`: a tf.data pipeline is read
+    whole to count and fingerprint it (every image decoded twice), a resumed
+    run would decode the images it skips, and a damaged image fails there
+    without its name. Here a batch is read by index, and an error names the file.
+    """
+
+    def __init__(self, folder: str, height: int, width: int, channels: int, batch_size: int):
+        super().__init__()
+        try:
+            importlib.import_module("PIL.Image")  # what keras.utils.load_img reads with
+        except ImportError as error:
+            raise ValueError(
+                "Reading a folder of images needs Pillow, which is not installed. "
+                f"Install it with: pip install 'kerasmulti[images]'. Received: input={folder!r}"
+            ) from error
+        self.paths = sorted(
+            os.path.join(folder, name)
+            for name in os.listdir(folder)
+            if name.lower().endswith(IMAGE_SUFFIXES)
+        )
+        if not self.paths:
+            raise ValueError(
+                f"The folder '{folder}' holds no images ({', '.join(IMAGE_SUFFIXES)}). "
+                f"Point INPUT at a folder of images. Received: input={folder!r}"
+            )
+        self.size, self.batch_size = (height, width), batch_size
+        self.color_mode = {1: "grayscale", 3: "rgb", 4: "rgba"}.get(channels, "rgb")
+
+    def __len__(self):
+        return -(-len(self.paths) // self.batch_size)
+
+    def __getitem__(self, i):
+        paths = self.paths[i * self.batch_size : (i + 1) * self.batch_size]
+        return np.stack([self._load(path) for path in paths])
+
+    def _load(self, path: str) -> np.ndarray:
+        try:
+            image = keras.utils.load_img(path, target_size=self.size, color_mode=self.color_mode)
+        except (OSError, ValueError) as error:  # Pillow's names a buffer, not the file
+            raise ValueError(
+                f"The image '{path}' could not be read: it is damaged or not an image "
+                f"({type(error).__name__}). Replace it, or move it out of the folder and "
+                f"start a new output file. Received: image={path!r}"
+            ) from error
+        return keras.utils.img_to_array(image)
+
+
+def _image_input(args, model, extra: dict):
+    shape = tuple(model.inputs[0].shape[1:])
+    if len(shape) != 3 or None in shape[:2]:
+        raise ValueError(
+            f"A folder of images needs a model with one image input of known "
+            f"height and width; '{args.model}' takes {shape}. "
+            f"Received: input={args.input!r}"
+        )
+    data = ImageFolder(args.input, shape[0], shape[1], shape[2] or 3, args.batch_size)
+    extra["filenames"] = np.array([os.path.basename(p) for p in data.paths], dtype=h5py.string_dtype())
+    return data
+
+
+def run(args) -> int:
     model = _load_model(args.model)
     if not os.path.exists(args.input):
         raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
     extra = {}
     with contextlib.ExitStack() as stack:
         if os.path.isdir(args.input):
-            shape = tuple(model.inputs[0].shape[1:])
-            if len(shape) != 3 or None in shape[:2]:
-                raise ValueError(
-                    f"A folder of images needs a model with one image input of known "
-                    f"height and width; '{args.model}' takes {shape}. "
-                    f"Received: input={args.input!r}"
-                )
-            data = _sources.ImageFolder(args.input, shape[0], shape[1], shape[2] or 3, args.batch_size)
-            extra["filenames"] = np.array([os.path.basename(p) for p in data.paths], dtype=h5py.string_dtype())
+            data = _image_input(args, model, extra)
         elif args.input.endswith(".npy"):
-            data = np.load(args.input, mmap_mode="r")
+            data = _npy_input(args.input)
         elif args.input.endswith((".h5", ".hdf5")):
             data = _hdf5_input(args.input, args.dataset, stack)
         else:
@@ -75,10 +176,7 @@ def run(args) -> int:
         parallel_predict(
             model, data, gpus=args.gpus, batch_size=args.batch_size, output=args.output, extra=extra
         )
-    print(f"wrote predictions for {_rows(args.output)} rows to {args.output}")
+    with h5py.File(args.output, "r") as f:
+        rows = _output_file.rows_done(f)
+    print(f"wrote predictions for {rows} rows to {args.output}")
     return 0
-
-
-def _rows(path: str) -> int:
-    with h5py.File(path, "r") as f:
-        return int(f["kerasmulti_rows_done"][()])

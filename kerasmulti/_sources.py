@@ -4,8 +4,10 @@ Every source is read a batch at a time, so memory stays flat however large the
 input: numpy arrays (also memory-mapped `.npy` files and lists/dicts of
 arrays for multi-input models), `h5py.Dataset`, `keras.utils.PyDataset` and
 `tf.data.Dataset` (both yield batches: `x` or `(x, y, ...)`, of which only `x`
-is used). Also `batched`, the pipeline that training input without a given
-dataset is fed through (multi-worker fit, the demo, the benchmarks).
+is used). `steps`, as in Keras' `predict`, reads that many batches and no
+more, so an endless pipeline can be predicted on. Also `batched`, the
+pipeline that training input without a given dataset is fed through
+(multi-worker fit, the demo, the benchmarks).
 """
 
 from __future__ import annotations
@@ -49,25 +51,58 @@ class Source:
         """Pieces of the input that identify it (with `rows`), for the fingerprint."""
         raise NotImplementedError
 
+    def row_shapes(self) -> dict:
+        """Row shapes of the inputs (a tuple per input) known before predicting, each with its first row.
+
+        Those of the batches read to count the rows; empty where all rows
+        have one shape (arrays) or nothing was read (a streamed pipeline).
+        """
+        return {}
+
 
 class ArraySource(Source):
-    def __init__(self, data):
+    """Arrays and HDF5 datasets, of which the first `limit` rows (all where None)."""
+
+    def __init__(self, data, limit: int | None = None):
         self.data = data
+        for array in tree.flatten(data):
+            if len(array.shape) == 0:
+                raise ValueError(
+                    "parallel_predict() reads arrays of rows, one per sample, and got a "
+                    "single value (a 0-d array). Give it a batch axis, e.g. "
+                    f"np.expand_dims(x, 0). Received: shape={array.shape}"
+                )
         sizes = {len(a) for a in tree.flatten(data)}
         if len(sizes) != 1:
             raise ValueError(
                 "All input arrays must have the same number of rows, one per "
                 f"sample. Received: rows per input {sorted(sizes)}"
             )
-        self.rows = sizes.pop()
+        rows = sizes.pop()
+        self.rows = rows if limit is None else min(rows, limit)
 
     def batches(self, start, size):
         for begin in range(start, self.rows, size):
-            yield tree.map_structure(lambda a: np.asarray(a[begin : begin + size]), self.data)
+            end = min(begin + size, self.rows)
+            yield tree.map_structure(lambda a: _read(a, begin, end), self.data)
 
     def fingerprint_parts(self):
         for begin in _sampled_rows(self.rows):
-            yield tree.map_structure(lambda a: np.asarray(a[begin : begin + 2]), self.data)
+            yield tree.map_structure(lambda a: _read(a, begin, min(begin + 2, self.rows)), self.data)
+
+
+def _read(array, begin: int, end: int) -> np.ndarray:
+    """Rows `begin:end` of an array; for an HDF5 dataset that fails, an error naming its file."""
+    try:
+        return np.asarray(array[begin:end])
+    except OSError as error:  # h5py's, naming neither the file nor the rows
+        file = getattr(getattr(array, "file", None), "filename", None)
+        if file is None:
+            raise
+        raise ValueError(
+            f"Rows {begin} to {end} of '{array.name}' in '{file}' could not be read: the "
+            f"file is damaged ({error}). Repair or rewrite it. Received: input={file!r}"
+        ) from error
 
 
 class BatchedSource(Source):
@@ -80,30 +115,43 @@ class BatchedSource(Source):
     last is full. Every batch read later is checked against that count.
     """
 
-    def __init__(self, data):
+    def __init__(self, data, steps: int | None = None):
         self.data = data
+        self._row_shapes = {}
         if isinstance(data, tf.data.Dataset):
             _refuse_endless(data)
-            self.sizes, hashes = [], None
+            self.sizes, hashes, row = [], None, 0
             for batch in self._raw():
-                self.sizes.append(_rows(batch))
                 leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
+                self._note_row_shapes(batch, row)
+                self.sizes.append(_rows(batch))
+                row += self.sizes[-1]
                 hashes = hashes or [hashlib.sha256(f"{a.shape[1:]}{a.dtype}".encode()) for a in leaves]
                 for digest, array in zip(hashes, leaves):
                     digest.update(array.tobytes())
             self._hashes = [d.digest() for d in hashes or []]
         else:
             n = data.num_batches
+            if steps is not None:
+                n = steps if n is None else min(n, steps)
             if n is None:
                 raise ValueError(
                     "parallel_predict() got a PyDataset without a length (its "
                     "`num_batches` is None), so it would never finish. Give it a "
-                    "`__len__`. Received: data.num_batches=None"
+                    "`__len__`, or pass steps=. Received: data.num_batches=None"
                 )
-            full = _rows(_inputs_of(data[0])) if n else 0
-            self.sizes = [full] * (n - 1) + ([_rows(_inputs_of(data[n - 1]))] if n else [])
+            first = _inputs_of(data[0]) if n else None
+            last = _inputs_of(data[n - 1]) if n > 1 else first
+            full = _rows(first) if n else 0
+            self.sizes = [full] * (n - 1) + ([_rows(last)] if n else [])
+            if n:
+                self._note_row_shapes(first, 0)
+                self._note_row_shapes(last, full * (n - 1))
         self.rows = sum(self.sizes)
         self._starts = np.cumsum([0, *self.sizes])
+
+    def _note_row_shapes(self, batch, row: int) -> None:
+        self._row_shapes.setdefault(tuple(np.shape(a)[1:] for a in tree.flatten(batch)), row)
 
     def _raw(self, first_batch=0):
         if isinstance(self.data, tf.data.Dataset):
@@ -147,6 +195,10 @@ class BatchedSource(Source):
     def sample(self):
         return next(self._raw())
 
+    def row_shapes(self):
+        # A pipeline's batches, all read to count them; a PyDataset's first and last.
+        return self._row_shapes
+
     def fingerprint_parts(self):
         if isinstance(self.data, tf.data.Dataset):
             yield [np.frombuffer(d, np.uint8) for d in self._hashes]
@@ -187,9 +239,8 @@ def _refuse_endless(data: tf.data.Dataset) -> None:
     if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
             "parallel_predict() got a tf.data.Dataset that never ends (it "
-            "repeats), so it would never finish. Predict on a finite "
-            "dataset: drop `.repeat()`, or take the rows you need with "
-            "`.take(batches)`. Received: data.cardinality()=INFINITE"
+            "repeats), so it would never finish. Pass steps= (the batches to "
+            "predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
         )
 
 
@@ -227,12 +278,17 @@ def _head(batches: Iterator, n: int):
     return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)
 
 
-def make_source(data, counted: bool = True) -> Source:
-    """The source for `data`; `counted=False` lets a tf.data pipeline be read once, uncounted."""
+def make_source(data, counted: bool = True, steps: int | None = None, batch_size: int = 32) -> Source:
+    """The source for `data`, limited to `steps` batches of `batch_size` rows (for arrays).
+
+    `counted=False` lets a tf.data pipeline be read once, uncounted.
+    """
+    if isinstance(data, tf.data.Dataset) and steps is not None:
+        data = data.take(steps)
     if isinstance(data, tf.data.Dataset) and not counted:
         return StreamedSource(data)
     if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
-        return BatchedSource(data)
+        return BatchedSource(data, steps)
     leaves = tree.flatten(data)
     if not leaves or not all(hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves):
         raise TypeError(
@@ -240,7 +296,7 @@ def make_source(data, counted: bool = True) -> Source:
             "h5py.Dataset, a keras.utils.PyDataset or a tf.data.Dataset. "
             f"Received: data={type(data).__name__}"
         )
-    return ArraySource(data)
+    return ArraySource(data, None if steps is None else steps * batch_size)
 
 
 def fingerprint(source: Source) -> str:
@@ -285,8 +341,8 @@ def _without_key(config, key):
     return config
 
 
-def check_shapes(model, sample) -> None:
-    """Raises when the input rows do not fit the model's inputs."""
+def check_inputs(model, sample) -> None:
+    """Raises when the input rows do not fit the model's inputs: their shapes, or text for numbers."""
     # A subclassed model has no `inputs`: its rows are checked when it runs.
     inputs = getattr(model, "inputs", None)
     expected = [tuple(t.shape[1:]) for t in inputs] if inputs else None
@@ -295,6 +351,14 @@ def check_shapes(model, sample) -> None:
     names = [t.name for t in inputs]
     if isinstance(sample, dict) and sorted(sample) == sorted(names):
         sample = [sample[name] for name in names]  # as Keras matches a dict to the inputs
+    for index, (tensor, array) in enumerate(zip(inputs, tree.flatten(sample))):
+        kind = np.asarray(array).dtype
+        if kind.kind in "USO" and tensor.dtype != "string":
+            raise ValueError(
+                f"Input {index} of model '{model.name}' takes {tensor.dtype} "
+                f"numbers, but the data holds {'text' if kind.kind in 'US' else 'Python objects'}. "
+                f"Convert the data to numbers first. Received: dtype={kind}"
+            )
     got = [tuple(np.shape(a)[1:]) for a in tree.flatten(sample)]
     fits = len(got) == len(expected) and all(
         len(g) == len(e) and all(x is None or x == y for x, y in zip(e, g)) for g, e in zip(got, expected)
@@ -309,39 +373,3 @@ def check_shapes(model, sample) -> None:
 
 def _shapes(shapes) -> str:
     return ", ".join(str(s) for s in shapes)
-
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
-
-
-class ImageFolder(keras.utils.PyDataset):
-    """The images of a folder, sorted by name, resized to `(height, width)`."""
-
-    def __init__(self, folder: str, height: int, width: int, channels: int, batch_size: int):
-        super().__init__()
-        import os
-
-        self.paths = sorted(
-            os.path.join(folder, name)
-            for name in os.listdir(folder)
-            if name.lower().endswith(IMAGE_SUFFIXES)
-        )
-        if not self.paths:
-            raise ValueError(
-                f"The folder '{folder}' holds no images ({', '.join(IMAGE_SUFFIXES)}). "
-                f"Point INPUT at a folder of images. Received: input={folder!r}"
-            )
-        self.size, self.batch_size = (height, width), batch_size
-        self.color_mode = {1: "grayscale", 3: "rgb", 4: "rgba"}.get(channels, "rgb")
-
-    def __len__(self):
-        return -(-len(self.paths) // self.batch_size)
-
-    def __getitem__(self, i):
-        paths = self.paths[i * self.batch_size : (i + 1) * self.batch_size]
-        return np.stack(
-            [
-                keras.utils.img_to_array(keras.utils.load_img(p, target_size=self.size, color_mode=self.color_mode))
-                for p in paths
-            ]
-        )

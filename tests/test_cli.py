@@ -2,8 +2,11 @@
 
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import h5py
 import keras
@@ -74,6 +77,8 @@ def files(tmp_path_factory):
     (folder / "images").mkdir()
     for i in range(9):
         keras.utils.save_img(str(folder / "images" / f"im{i}.png"), np.random.default_rng().random((12, 10, 3)) * 255)
+    np.save(folder / "zero.npy", np.float32(3))
+    np.save(folder / "text.npy", np.full((4, 8, 8, 3), "a"))
     return folder, model, x
 
 
@@ -110,6 +115,8 @@ def test_predict_from_an_image_folder_stores_file_names(files):
         (["m.keras", "x.h5"], "Received: dataset=None"),
         (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
         (["m.keras", "x.h5", "--dataset", "labels"], "do not fit model"),
+        (["m.keras", "zero.npy"], "got a single value (a 0-d array). Give it a batch axis, e.g. np.expand_dims(x, 0). Received: shape=()"),
+        (["m.keras", "text.npy"], "takes float32 numbers, but the data holds text. Convert the data to numbers first. Received: dtype=<U1"),
     ],
 )
 def test_predict_errors_are_one_line_with_a_non_zero_exit(files, args, message):
@@ -179,3 +186,111 @@ def test_only_the_demo_pins_tensorflow_threads(command, threads):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == threads
+
+
+def _importtime(*args):
+    """The command run with Python's import timing on: stderr lists every module it imported."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kerasmulti._cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--help"], 0, "usage: kerasmulti"),
+        (["predict", "--help"], 0, "usage: kerasmulti predict"),
+        (["demo", "--batch-size", "0"], 2, "kerasmulti demo: error: argument --batch-size: must be a positive int. Received: '0'"),
+        (["demo", "--epochs", "x"], 2, "argument --epochs: must be a positive int. Received: 'x'"),
+        (["predict", "m.keras", "x.npy", "--output", "o.h5", "--batch-size", "-3"], 2, "argument --batch-size: must be a positive int. Received: '-3'"),
+        (["predict", "m.keras"], 2, "the following arguments are required: input, --output"),
+    ],
+)
+def test_help_and_argument_errors_answer_without_loading_tensorflow(args, code, message):
+    result = _importtime(*args)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    imported = re.findall(r"^import time:.*\| +(\S+)$", result.stderr, re.M)
+    assert "argparse" in imported and "tensorflow" not in imported and "keras" not in imported
+
+
+def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_rows(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="out")])
+    model.save(tmp_path / "m.keras")
+    x = np.random.default_rng().random((20000, 4)).astype("float32")
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "out.h5"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    command = [sys.executable, "-m", "kerasmulti._cli", "predict", "m.keras", "x.npy", "--output", str(out)]
+    with open(tmp_path / "stdout", "w") as stdout:  # a progress bar, more than a pipe holds
+        process = subprocess.Popen([*command, "--batch-size", "1"], cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 240
+        while not out.exists():  # the file is made just before the first batch: predicting has begun
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert [line for line in stderr.splitlines() if "interrupted" in line] == [
+        f"kerasmulti: interrupted; the rows written so far stay in {out}: run the same command to go on"
+    ]
+    with h5py.File(out, "r") as f:  # valid, its counter short of the end
+        assert int(f.attrs["kerasmulti_rows_done"]) < len(x)
+    result = subprocess.run([*command, "--batch-size", "5000"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with h5py.File(out, "r") as f:
+        np.testing.assert_allclose(f["out"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def _predict(folder, model, source, output="out.h5"):
+    from kerasmulti import _cli, _predict_command
+
+    args = _cli._parser().parse_args(["predict", str(folder / model), str(folder / source), "--output", str(folder / output)])
+    return _predict_command.run(args)
+
+
+def _damaged_inputs(folder, x):
+    np.save(folder / "objects.npy", np.array([None, {}], dtype=object), allow_pickle=True)
+    (folder / "garbage.npy").write_bytes(b"not an array at all")
+    (folder / "short.npy").write_bytes((folder / "x.npy").read_bytes()[:300])
+    (folder / "short.h5").write_bytes((folder / "x.h5").read_bytes()[:2000])
+    shutil.copytree(folder / "images", folder / "some_damaged", dirs_exist_ok=True)
+    (folder / "some_damaged" / "im5.png").write_bytes(b"\x89PNG but nothing after")
+    (folder / "a_folder").mkdir(exist_ok=True)
+    import tensorflow as tf
+
+    tf.saved_model.save(tf.Module(), str(folder / "saved_model"))
+
+
+@pytest.mark.parametrize(
+    "model, source, message",
+    [
+        ("m.keras", "objects.npy", "'{folder}/objects.npy' holds Python objects (an object array), which kerasmulti does not load: unpickling can run code. Save a numeric array with numpy.save. Received: input="),
+        ("m.keras", "garbage.npy", "'{folder}/garbage.npy' is damaged: it is not a readable .npy file. Write it again with numpy.save. Received: input="),
+        ("m.keras", "short.npy", "'{folder}/short.npy' is damaged: it is not a readable .npy file."),
+        ("m.keras", "short.h5", "'{folder}/short.h5' is damaged: it is not a readable HDF5 file. Check it, or write it again. Received: input="),
+        ("m.keras", "some_damaged", "The image '{folder}/some_damaged/im5.png' could not be read: it is damaged or not an image (UnidentifiedImageError). Replace it, or move it out of the folder and start a new output file. Received: image="),
+        ("saved_model", "x.npy", "'{folder}/saved_model' is a TensorFlow SavedModel folder, which Keras 3 cannot load with load_model. Save the model as a .keras file"),
+        ("a_folder", "x.npy", "'{folder}/a_folder' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model="),
+    ],
+)
+def test_damaged_inputs_and_wrong_models_are_named(files, model, source, message):
+    folder, _, x = files
+    _damaged_inputs(folder, x)
+    with pytest.raises(ValueError) as error:
+        _predict(folder, model, source)
+    assert message.format(folder=folder) in str(error.value)
+    assert "allow_pickle" not in str(error.value) and "BytesIO" not in str(error.value)
+
+
+def test_an_image_folder_without_pillow_says_how_to_install_it(files, monkeypatch):
+    folder, _, _ = files
+    monkeypatch.setitem(sys.modules, "PIL.Image", None)  # as if Pillow were not installed
+    with pytest.raises(ValueError, match=r"needs Pillow, which is not installed. Install it with: pip install 'kerasmulti\[images\]'. Received: input="):
+        _predict(folder, "m.keras", "images")

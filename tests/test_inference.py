@@ -91,7 +91,7 @@ def test_streams_into_hdf5_one_dataset_per_output(tmp_path):
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(f["score"][:], score, rtol=1e-5, atol=1e-6)
-        assert f["kerasmulti_rows_done"][()] == 29
+        assert f.attrs["kerasmulti_rows_done"] == 29
         assert list(f["filenames"][:]) == list(names)
     assert [n for n in os.listdir(tmp_path)] == ["features.h5"]
 
@@ -124,7 +124,7 @@ def test_the_same_call_resumes_where_the_file_stopped(tmp_path):
     with pytest.raises(RuntimeError, match="the job died"):
         kerasmulti.parallel_predict(model, _Crashing(x, crash_at=5), output=path, verbose=0)
     with h5py.File(path, "r") as f:
-        done = int(f["kerasmulti_rows_done"][()])
+        done = int(f.attrs["kerasmulti_rows_done"])
     assert 0 < done < 30
     again = _Crashing(x)
     kerasmulti.parallel_predict(model, again, output=path, verbose=0)
@@ -132,7 +132,7 @@ def test_the_same_call_resumes_where_the_file_stopped(tmp_path):
     features, score = model.predict(x, verbose=0)
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], features, rtol=1e-5, atol=1e-6)
-        assert f["kerasmulti_rows_done"][()] == 30
+        assert f.attrs["kerasmulti_rows_done"] == 30
 
 
 def test_another_model_or_input_is_refused(tmp_path):
@@ -148,7 +148,7 @@ def test_another_model_or_input_is_refused(tmp_path):
 def test_an_unreadable_output_file_is_refused(tmp_path):
     path = tmp_path / "out.h5"
     path.write_bytes(b"not hdf5 at all")
-    with pytest.raises(ValueError, match=r"not a readable HDF5 file.*Received: output="):
+    with pytest.raises(ValueError, match=r"out.h5. is damaged: it is not a readable HDF5 file.*Received: output="):
         kerasmulti.parallel_predict(_two_outputs(), _data(4), output=str(path), verbose=0)
 
 
@@ -190,7 +190,7 @@ def test_sigkill_at_random_moments_leaves_a_valid_file_and_resumes(tmp_path):
         process.wait()
         if os.path.exists(path):
             with h5py.File(path, "r") as f:  # valid at every moment
-                done = int(f["kerasmulti_rows_done"][()])
+                done = int(f.attrs["kerasmulti_rows_done"])
                 assert f["features"].shape == (6000, 64)
             progress.append(done)
     assert progress and progress == sorted(progress), progress  # never goes back
@@ -211,7 +211,7 @@ def test_a_crash_between_the_writes_of_a_batch_resumes_with_every_row_right(tmp_
     crashed = subprocess.run([sys.executable, WORKER, path], capture_output=True, text=True, env=env, timeout=300)
     assert crashed.returncode == _faults.EXIT_CODE, crashed.stdout + crashed.stderr[-3000:]
     with h5py.File(path, "r") as f:
-        assert int(f["kerasmulti_rows_done"][()]) == (29 if point == "predict:rows" else 30) * 50
+        assert int(f.attrs["kerasmulti_rows_done"]) == (29 if point == "predict:rows" else 30) * 50
     del env[_faults.ENV]
     result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
@@ -351,12 +351,12 @@ def test_uneven_tf_data_batches_resume_without_losing_rows(tmp_path):
     path = str(tmp_path / "out.h5")
     kerasmulti.parallel_predict(model, _uneven(x, [3, 5, 2]), output=path, verbose=0)
     with h5py.File(path, "r+") as f:  # as a kill after the second batch leaves it
-        f["kerasmulti_rows_done"][()] = 8
+        f.attrs["kerasmulti_rows_done"] = 8
         f["features"][8:] = 0
     kerasmulti.parallel_predict(model, _uneven(x, [3, 5, 2]), output=path, verbose=0)
     with h5py.File(path, "r") as f:
         np.testing.assert_allclose(f["features"][:], model.predict(x, verbose=0)[0], rtol=1e-5, atol=1e-6)
-        assert f["kerasmulti_rows_done"][()] == 10
+        assert f.attrs["kerasmulti_rows_done"] == 10
 
 
 def test_batches_that_break_the_row_count_are_refused(tmp_path):
@@ -510,3 +510,192 @@ def test_a_pipeline_is_read_once_when_results_come_back_in_memory(tmp_path):
     empty = tf.data.Dataset.from_tensor_slices(np.zeros((0, x.shape[1]), "float32")).batch(4)
     with pytest.raises(ValueError, match="no rows.*Received: 0 rows"):
         kerasmulti.parallel_predict(model, empty, verbose=0)
+
+
+def _endless(x, size):
+    """A pipeline of batches of `x` that never ends and whose length TensorFlow cannot tell."""
+
+    def batches():
+        while True:
+            for begin in range(0, len(x), size):
+                yield x[begin : begin + size]
+
+    return tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, x.shape[1]), tf.float32))
+
+
+class _Endless(keras.utils.PyDataset):
+    """A PyDataset without a length: batch i holds rows 3i to 3i+2 of `x`, round and round."""
+
+    def __init__(self, x):
+        super().__init__()
+        self.x = x
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, i):
+        return np.roll(self.x, -3 * i, axis=0)[:3]
+
+
+def test_steps_predicts_that_many_batches_of_an_endless_input(tmp_path):
+    model, x = _two_outputs(), _data(10)
+    repeated = tf.data.Dataset.from_tensor_slices(x).batch(4).repeat()
+    assert int(repeated.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    assert int(_endless(x, 4).cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    # Batches of 4, 4 and 2 rows, round and round; the PyDataset's of 3.
+    for data, steps, rows in ((repeated, 5, 18), (_endless(x, 4), 4, 14), (_Endless(x), 3, 9)):
+        expected = model.predict(data, steps=steps, verbose=0)
+        assert len(expected[0]) == rows
+        _assert_same(expected, kerasmulti.parallel_predict(model, data, steps=steps, verbose=0))
+        path = str(tmp_path / f"{steps}.h5")
+        kerasmulti.parallel_predict(model, data, steps=steps, output=path, verbose=0)
+        with h5py.File(path, "r") as f:
+            _assert_same(expected, [f["features"][:], f["score"][:]])
+            assert f.attrs["kerasmulti_rows_done"] == len(expected[0])
+
+
+def test_steps_on_arrays_and_finite_inputs_as_in_keras():
+    model, x = _two_outputs(), _data(10)
+    _assert_same(model.predict(x, batch_size=4, steps=2, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, steps=2, verbose=0))
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    _assert_same(model.predict(dataset, steps=2, verbose=0), kerasmulti.parallel_predict(model, dataset, steps=2, verbose=0))
+    # More steps than batches: all of it, as Keras gives (after a warning).
+    with pytest.warns(UserWarning, match="ran out of data"):
+        expected = model.predict(dataset, steps=9, verbose=0)
+    _assert_same(expected, kerasmulti.parallel_predict(model, dataset, steps=9, verbose=0))
+    _assert_same(model.predict(x, verbose=0), kerasmulti.parallel_predict(model, x, batch_size=4, steps=9, verbose=0))
+
+
+def test_a_file_written_with_other_steps_is_another_input(tmp_path):
+    model, x = _two_outputs(), _data(10)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, x, batch_size=4, steps=1, output=path, verbose=0)
+    with pytest.raises(ValueError, match=r"different input.*Received: output="):
+        kerasmulti.parallel_predict(model, x, batch_size=4, steps=2, output=path, verbose=0)
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5, "3", True])
+def test_bad_steps_are_refused(steps):
+    with pytest.raises(ValueError, match=rf"positive int, the batches to predict, or None for all of them. Received: steps={steps!r}"):
+        kerasmulti.parallel_predict(_two_outputs(), _data(4), steps=steps)
+
+
+def _sequences(lengths, width=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(n, width)).astype("float32") for n in lengths]
+
+
+def _padded(rows, batch_size):
+    """Sequences (or images) batched by tf.data's padded_batch: each batch padded to its longest."""
+    spec = tf.TensorSpec((None,) * (rows[0].ndim - 1) + (rows[0].shape[-1],), tf.float32)
+    return tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=spec).padded_batch(batch_size)
+
+
+def _per_step(seed=0):
+    """Per-step features (rows as long as the input) and a pooled vector (one shape)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((None, 3))
+    steps = keras.layers.Dense(4, name="steps")(inputs)
+    return keras.Model(inputs, [steps, keras.layers.GlobalAveragePooling1D(name="pooled")(steps)])
+
+
+def _assert_same_ragged(expected, got):
+    assert isinstance(got, tf.RaggedTensor) and got.shape.as_list() == expected.shape.as_list()
+    assert got.ragged_rank == expected.ragged_rank and got.dtype == expected.dtype
+    for e, g in zip(expected.nested_row_splits, got.nested_row_splits):
+        np.testing.assert_array_equal(g, e)
+    np.testing.assert_allclose(got.flat_values, expected.flat_values, rtol=1e-5, atol=1e-6)
+
+
+def test_batches_of_different_lengths_come_back_as_model_predict_returns_them():
+    model = _per_step()
+    data = _padded(_sequences([2, 5, 3, 7, 1, 4, 6]), 3)  # batches padded to 5, 7 and 6 steps
+    expected, got = model.predict(data, verbose=0), kerasmulti.parallel_predict(model, data, verbose=0)
+    _assert_same_ragged(expected[0], got[0])
+    assert isinstance(got[1], np.ndarray)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "sizes, ragged_rank",
+    [([(2, 3), (4, 1), (3, 3), (1, 2)], 1), ([(2, 3), (2, 1), (2, 4), (2, 2)], 2)],
+    ids=["heights-differ", "widths-differ"],
+)
+def test_images_of_different_sizes_are_ragged_as_in_keras(sizes, ragged_rank):
+    # Ragged up to the last dimension that differs between batches.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, None, 2))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    rng = np.random.default_rng(0)
+    data = _padded([rng.normal(size=(*size, 2)).astype("float32") for size in sizes], 2)
+    expected = model.predict(data, verbose=0)
+    assert expected.ragged_rank == ragged_rank
+    _assert_same_ragged(expected, kerasmulti.parallel_predict(model, data, verbose=0))
+
+
+def test_outputs_that_change_shape_are_refused_before_the_file_is_made(tmp_path):
+    model, path = _per_step(), tmp_path / "out.h5"
+    data = _padded(_sequences([2, 5, 3, 7, 1, 4, 6]), 3)
+    with pytest.raises(ValueError, match=r"Output 'steps' has rows of shape \(5, 4\) in the first batch but \(7, 4\) from row 3.*holds one row shape.*output=None.*Received: output="):
+        kerasmulti.parallel_predict(model, data, output=str(path), verbose=0)
+    assert not path.exists()
+    # Outputs of one shape from batches of several (bucketing) are written as they are.
+    pooled = keras.Model(model.inputs, model.outputs[1])
+    kerasmulti.parallel_predict(pooled, data, output=str(path), verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["pooled"][:], pooled.predict(data, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+class _Lengths(keras.utils.PyDataset):
+    """Batches of 2 sequences each, of the given lengths."""
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.batches = [np.stack(_sequences([n, n], seed=i)) for i, n in enumerate(lengths)]
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.batches[i]
+
+
+def test_a_pydataset_whose_outputs_change_shape_is_refused_before_writing_that_batch(tmp_path):
+    model, path = _per_step(), tmp_path / "out.h5"
+    # Its last batch is read before predicting, its middle ones only when predicted.
+    with pytest.raises(ValueError, match=r"\(4, 4\) in the first batch but \(6, 4\) from row 6"):
+        kerasmulti.parallel_predict(model, _Lengths([4, 4, 4, 6]), output=str(path), verbose=0)
+    assert not path.exists()
+    data = _Lengths([4, 4, 5, 4])
+    for _ in range(2):  # the same refusal on the same rows every time, the rows before kept
+        with pytest.raises(ValueError, match=r"\(4, 4\) in the first batch but \(5, 4\) from row 4.*Received: output="):
+            kerasmulti.parallel_predict(model, data, output=str(path), verbose=0)
+        with h5py.File(path, "r") as f:
+            assert f.attrs["kerasmulti_rows_done"] == 4
+            np.testing.assert_allclose(f["steps"][:4], model.predict(np.concatenate(data.batches[:2]), verbose=0)[0], rtol=1e-5, atol=1e-6)
+            assert not f["steps"][4:].any()  # nothing of the refused batch
+
+
+def test_single_values_and_text_are_refused():
+    model = _two_outputs()
+    with pytest.raises(ValueError, match=r"single value \(a 0-d array\).*Received: shape=\(\)"):
+        kerasmulti.parallel_predict(model, np.float32(3))
+    with pytest.raises(ValueError, match=r"Input 0 of model .* takes float32 numbers, but the data holds text.*Received: dtype=<U1"):
+        kerasmulti.parallel_predict(model, np.full((4, 6), "a"))
+    with pytest.raises(ValueError, match=r"holds Python objects.*Received: dtype=object"):
+        kerasmulti.parallel_predict(model, np.full((4, 6), None, dtype=object))
+
+
+def test_a_damaged_hdf5_input_is_named(tmp_path):
+    x = _data(40)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("x", data=x, chunks=(10, 6), compression="gzip")
+    data = bytearray((tmp_path / "in.h5").read_bytes())
+    with h5py.File(tmp_path / "in.h5", "r") as f:
+        offset = f["x"].id.get_chunk_info(2).byte_offset  # rows 20 to 29
+    data[offset : offset + 64] = bytes(64)
+    (tmp_path / "in.h5").write_bytes(bytes(data))
+    with h5py.File(tmp_path / "in.h5", "r") as f:
+        with pytest.raises(ValueError, match=r"Rows 20 to 30 of '/x' in '.*in.h5' could not be read: the file is damaged.*Received: input="):
+            kerasmulti.parallel_predict(_two_outputs(), f["x"], batch_size=10, verbose=0)

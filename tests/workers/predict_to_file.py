@@ -32,5 +32,5 @@ if "--check" in sys.argv:
         ok = np.allclose(f["features"][:], features, rtol=1e-5, atol=1e-5) and np.allclose(
             f["scores"][:], scores, rtol=1e-5, atol=1e-5
         )
-        ok = ok and int(f["kerasmulti_rows_done"][()]) == len(x)
+        ok = ok and int(f.attrs["kerasmulti_rows_done"]) == len(x)
     sys.exit(0 if ok else 1)

@@ -1,0 +1,167 @@
+"""The HDF5 file that `parallel_predict` streams results into, crash-safe by construction.
+
+- It is created complete, with every output dataset allocated at full size
+  (contiguous, allocated early), under a temporary name that is then renamed
+  into place (`_atomic`), so it is valid from the moment it exists. A missing
+  folder is made first, as Keras' `ModelCheckpoint` makes it.
+- Its top level holds the outputs (and the caller's `extra` datasets) only.
+  What kerasmulti keeps for itself is in attributes of the root: the model's
+  and the input's fingerprints, the row count, and `kerasmulti_rows_done`,
+  the rows that are final.
+- Afterwards only values are written in place, rows then counter, each
+  followed by a flush: HDF5's structure never changes, and the counter is a
+  fixed-size attribute rewritten where it lies (its 8 bytes change, nothing
+  else), so a kill leaves a readable file whose counter never exceeds the
+  rows really written.
+- Files of an earlier kerasmulti keep the counter in a `kerasmulti_rows_done`
+  dataset beside the outputs: they are resumed as they are.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import h5py
+import numpy as np
+from keras import tree
+
+from kerasmulti import _atomic
+
+PROGRESS = "kerasmulti_rows_done"
+MODEL = "kerasmulti_model"
+
+
+def check_path(output) -> str:
+    """The output path as a string; refuses what cannot name a file to write."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(
+            "parallel_predict() writes its results to output=, the path of an HDF5 "
+            "file, or returns them with output=None. Received: "
+            f"output={output!r}"
+        )
+    path = os.fspath(output)
+    if not path:
+        raise ValueError(
+            "parallel_predict() got an empty output path. Pass the HDF5 file to "
+            "write, e.g. output='features.h5', or output=None to get the results "
+            "back. Received: output=''"
+        )
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise ValueError(
+            f"parallel_predict() got the folder '{path}' as output, and it writes one "
+            f"HDF5 file. Name the file, e.g. output={os.path.join(path, 'features.h5')!r}. "
+            f"Received: output={path!r}"
+        )
+    return path
+
+
+def check_not_input(data, output: str) -> None:
+    """Refuses an output path that is the input's own file."""
+    if not os.path.exists(output):
+        return
+    for leaf in tree.flatten(data):
+        file = getattr(getattr(leaf, "file", None), "filename", None) or getattr(leaf, "filename", None)
+        if isinstance(file, (str, os.PathLike)) and os.path.exists(file) and os.path.samefile(file, output):
+            raise ValueError(
+                f"parallel_predict() would write its results into '{output}', the "
+                "file it reads its input from, which would destroy the input. "
+                f"Choose another output path. Received: output={output!r}"
+            )
+
+
+def file_dtype(dtype: np.dtype) -> np.dtype:
+    # HDF5 has no bfloat16 (mixed_bfloat16 outputs): h5py would store opaque
+    # bytes. float32 holds every bfloat16 value exactly.
+    return np.dtype("float32") if dtype.name == "bfloat16" else dtype
+
+
+def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> None:
+    """Creates the file whole: a dataset per output (`spec`: row shape and dtype), `extra`, attributes."""
+
+    def build(temporary):
+        with h5py.File(temporary, "w") as f:
+            for name, (shape, dtype) in zip(names, spec):
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                # Early allocation: later writes touch raw data only, never
+                # HDF5's structure, so a kill cannot corrupt the file.
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                f.create_dataset(name, shape=(rows, *shape), dtype=dtype, dcpl=dcpl)
+            for key, value in extra.items():
+                f.create_dataset(key, data=value)
+            f.attrs.update(attributes)
+            f.attrs[PROGRESS] = np.int64(0)
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _atomic.write(path, build)
+    except OSError as error:
+        # Not h5py's message: it names the temporary, not the user's path.
+        # makedirs says EEXIST where a file stands in place of the folder.
+        code = errno.ENOTDIR if error.errno == errno.EEXIST else error.errno
+        reason = os.strerror(code) if code else "it could not be written"
+        raise ValueError(
+            f"parallel_predict() could not create '{path}' ({reason}). Check that its "
+            f"folder can be made and written to, or choose another path. Received: output={path!r}"
+        ) from error
+
+
+def open_existing(path: str, attributes: dict) -> h5py.File:
+    """Opens a file to resume, refusing one that is damaged, not kerasmulti's, or another run's."""
+    try:
+        f = h5py.File(path, "r+")
+    except OSError as error:
+        raise _damaged(path) from error
+    try:
+        _check_resumable(f, path, attributes)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
+    try:
+        ours = MODEL in f.attrs and (PROGRESS in f.attrs or isinstance(f.get(PROGRESS), h5py.Dataset))
+        written = {key: f.attrs.get(key) for key in attributes}
+    except OSError as error:
+        raise _damaged(path) from error
+    if not ours:
+        raise ValueError(
+            f"'{path}' is an HDF5 file that parallel_predict() did not write, and it "
+            "will not write over it. Choose another output path, or delete the file. "
+            f"Received: output={path!r}"
+        )
+    for key, value in attributes.items():
+        if written[key] != value:
+            what = "model" if key == MODEL else "input"
+            raise ValueError(
+                f"parallel_predict() will not add to '{path}': it holds results "
+                f"of a different {what}, and mixing them would silently corrupt "
+                "it. Delete the file or choose another output path to start "
+                f"over. Received: output={path!r}"
+            )
+
+
+def _damaged(path: str) -> ValueError:
+    return ValueError(
+        f"'{path}' is damaged: it is not a readable HDF5 file, so parallel_predict() "
+        "cannot resume it. Delete it, or move it away, to start over. "
+        f"Received: output={path!r}"
+    )
+
+
+def rows_done(f: h5py.File) -> int:
+    """The rows that are final."""
+    if PROGRESS in f.attrs:
+        return int(f.attrs[PROGRESS])
+    return int(f[PROGRESS][()])  # an earlier kerasmulti's file
+
+
+def set_rows_done(f: h5py.File, rows: int) -> None:
+    """Records that the rows below `rows` are final, rewriting the counter in place."""
+    if PROGRESS in f.attrs:
+        # modify, not assignment: it writes into the attribute as it is.
+        f.attrs.modify(PROGRESS, np.int64(rows))
+    else:
+        f[PROGRESS][()] = rows
