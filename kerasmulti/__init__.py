@@ -42,8 +42,8 @@ _cluster.start()  # before TensorFlow's first op, which building a model runs
 from kerasmulti._parallel import ParallelModel  # noqa: E402
 from kerasmulti._parallelize import parallelize  # noqa: E402
 from kerasmulti._parallel import unwrap  # noqa: E402
-from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
-from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
+from kerasmulti._backup import ParallelBackupAndRestore  # noqa: E402
+from kerasmulti._checkpoint import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
 from kerasmulti._launch import LaunchError  # noqa: E402
 from kerasmulti._launch import launch  # noqa: E402
