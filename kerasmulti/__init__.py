@@ -75,7 +75,8 @@ def _import_public() -> None:
 
     from kerasmulti._parallel import ParallelModel, unwrap
     from kerasmulti._parallelize import parallelize
-    from kerasmulti._callbacks import ParallelBackupAndRestore, ParallelModelCheckpoint
+    from kerasmulti._backup import ParallelBackupAndRestore
+    from kerasmulti._checkpoint import ParallelModelCheckpoint
     from kerasmulti._inference import parallel_predict
     from kerasmulti._launch import LaunchError, launch
     from kerasmulti._placement import OnDevice, device_scope, on_device, remap_devices

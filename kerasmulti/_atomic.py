@@ -50,14 +50,24 @@ def write(target: str, save) -> None:
         save(temporary)
         _fsync(temporary)
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temporary):
             os.remove(temporary)
+        if isinstance(error, OSError):
+            _name_target(error, temporary, target)
         raise
     try:
         _fsync(os.path.dirname(os.path.abspath(target)))
     except OSError:  # some file systems cannot sync a folder; the rename stands
         pass
+
+
+def _name_target(error: OSError, temporary: str, target: str) -> None:
+    """Makes an error about the temporary name the target: the only file its caller knows."""
+    if error.filename == temporary and error.filename2 is None:
+        error.filename = target
+    elif len(error.args) == 1 and isinstance(error.args[0], str):  # h5py puts the name in its text
+        error.args = (error.args[0].replace(temporary, target),)
 
 
 def _alive(pid: int) -> bool:

@@ -1,8 +1,10 @@
 """ParallelModelCheckpoint and ParallelBackupAndRestore on parallel models."""
 
 import glob
+import inspect
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -38,7 +40,9 @@ def _no_temporaries(folder):
 def test_saves_the_template_not_the_wrapper(tmp_path, name):
     model, parallel, x, y = _setup()
     path = str(tmp_path / name)
-    parallel.fit(x, y, epochs=2, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path, monitor="loss")])
+    checkpoint = kerasmulti.ParallelModelCheckpoint(path, monitor="loss")
+    parallel.fit(x, y, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.model is parallel  # Keras' convention: the model being trained
     loaded = keras.models.load_model(path)
     assert loaded.name == "template"
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
@@ -93,11 +97,37 @@ def test_initial_value_threshold_blocks_saves_that_do_not_beat_it(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_keras2_form_with_the_template_first(tmp_path):
+@pytest.mark.parametrize("form", ["positional", "keywords", "parallel first"])
+def test_keras2_form_with_the_template_first(tmp_path, form):
     model, parallel, x, y = _setup()
     path = str(tmp_path / "old.keras")
-    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(model, path, monitor="loss")])
+    checkpoint = {
+        "positional": lambda: kerasmulti.ParallelModelCheckpoint(model, path, "loss", 0, True),
+        "keywords": lambda: kerasmulti.ParallelModelCheckpoint(model, filepath=path, monitor="loss", save_best_only=True),
+        "parallel first": lambda: kerasmulti.ParallelModelCheckpoint(parallel, path, monitor="loss", save_best_only=True),
+    }[form]()
+    assert (checkpoint.filepath, checkpoint.monitor, checkpoint.save_best_only) == (path, "loss", True)
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.model is parallel
     assert keras.models.load_model(path).name == "template"
+
+
+def test_keras2_form_saves_another_model_as_it_is(tmp_path):
+    model, parallel, x, y = _setup()
+    body = keras.Model(model.inputs, model.layers[0].output, name="body")  # shares the first layer
+    path = str(tmp_path / "body.keras")
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(body, path, monitor="loss")])
+    loaded = keras.models.load_model(path)
+    assert loaded.name == "body"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), body.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_the_signature_is_model_checkpoints():
+    def described(cls):
+        return [(p.name, p.default, p.kind) for p in inspect.signature(cls).parameters.values()]
+
+    assert described(kerasmulti.ParallelModelCheckpoint) == described(keras.callbacks.ModelCheckpoint)
+    assert described(kerasmulti.ParallelBackupAndRestore) == described(keras.callbacks.BackupAndRestore)
 
 
 def test_behaves_like_model_checkpoint_on_a_plain_model(tmp_path):
@@ -113,15 +143,25 @@ def test_behaves_like_model_checkpoint_on_a_plain_model(tmp_path):
     )
 
 
-def test_unwritable_folder_is_refused_before_training(tmp_path):
+@pytest.mark.parametrize("real", [True, False], ids=["chmod", "os.access"])
+def test_unwritable_folder_is_refused_before_training(tmp_path, monkeypatch, real):
     locked = tmp_path / "locked"
     locked.mkdir()
-    locked.chmod(0o500)
-    try:
+    if real:
+        locked.chmod(0o500)
         if os.access(str(locked), os.W_OK):
+            locked.chmod(0o700)
             pytest.skip("running as a user that can write anywhere (root)")
-        with pytest.raises(ValueError, match=r"cannot write checkpoints.*Received: filepath="):
-            kerasmulti.ParallelModelCheckpoint(str(locked / "m.keras"))
+    else:  # what a non-root user sees, for a root test run
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and path != str(locked))
+    try:
+        for make in (
+            lambda: kerasmulti.ParallelModelCheckpoint(str(locked / "sub" / "m.keras")),
+            lambda: kerasmulti.ParallelBackupAndRestore(str(locked / "backup")),
+        ):
+            with pytest.raises(ValueError, match=rf"cannot write into '{re.escape(str(locked))}': .*permission.*Received: (filepath|backup_dir)="):
+                make()
     finally:
         locked.chmod(0o700)
 
@@ -129,20 +169,134 @@ def test_unwritable_folder_is_refused_before_training(tmp_path):
 def test_folder_that_is_a_file_is_refused_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(ValueError, match=r"cannot write checkpoints.*is not a writable folder.*Received: filepath="):
-        kerasmulti.ParallelModelCheckpoint(str(blocker / "sub" / "m.keras"))
+    for make, name in (
+        (lambda: kerasmulti.ParallelModelCheckpoint(str(blocker / "sub" / "m.keras")), "filepath"),
+        (lambda: kerasmulti.ParallelBackupAndRestore(str(blocker / "backup")), "backup_dir"),
+        (lambda: kerasmulti.ParallelBackupAndRestore(str(blocker)), "backup_dir"),
+    ):
+        with pytest.raises(ValueError, match=rf"cannot create the folder for its {name}: '{re.escape(str(blocker))}' is a file.*Received: {name}="):
+            make()
 
 
-def test_weights_only_with_wrong_suffix_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"must end in `.weights.h5`.*Received: filepath="):
-        kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m.keras"), save_weights_only=True)
+def test_existing_folder_as_filepath_is_refused_before_training(tmp_path):
+    folder = tmp_path / "model.keras"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=rf"filepath is an existing folder, where a file must go.*Received: filepath='{re.escape(str(folder))}'"):
+        kerasmulti.ParallelModelCheckpoint(str(folder))
 
 
-def test_unknown_monitored_metric_is_refused_when_training_starts(tmp_path):
+def test_a_filled_in_filepath_that_is_a_folder_fails_naming_it(tmp_path):
+    _, parallel, x, y = _setup()
+    (tmp_path / "2.keras").mkdir()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "{epoch}.keras"))
+    with pytest.raises(IsADirectoryError, match=r"filled in, is the existing folder '.*/2.keras'.*Received: filepath='.*/\{epoch\}.keras'"):
+        parallel.fit(x, y, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert (tmp_path / "1.keras").is_file() and _no_temporaries(tmp_path)
+
+
+def test_missing_folders_are_created(tmp_path):
+    _, parallel, x, y = _setup()
+    path = tmp_path / "a" / "b" / "m-{epoch}.keras"
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(str(path))])
+    keras.models.load_model(str(tmp_path / "a" / "b" / "m-1.keras"))
+
+
+BAD_ARGUMENTS = [
+    # (arguments, keywords, error, message)
+    ((), {}, TypeError, r"missing 1 required positional argument: 'filepath'"),  # Python's, as for ModelCheckpoint
+    (("MODEL",), {}, TypeError, r"given a model to save but no filepath.*Received: template_model=<Sequential name=template"),
+    ((None,), {}, TypeError, r"filepath must be a path.*Received: filepath=None"),
+    ((keras.layers.Dense(1), "m.keras"), {}, TypeError, r"filepath must be a path.*after the keras.Model.*Received: filepath=<Dense"),
+    (("m-{epoch.keras",), {}, ValueError, r"cannot fill in its filepath \(expected '}' before end of string\).*Received: filepath='m-{epoch.keras'"),
+    (("m}.keras",), {}, ValueError, r"cannot fill in its filepath \(Single '}'.*Received: filepath='m}.keras'"),
+    (("m-{loss:d}.keras",), {}, ValueError, r"\(Unknown format code 'd' for object of type 'float'\).*Received: filepath='m-{loss:d}.keras'"),
+    (("m-{}.keras",), {}, ValueError, r"\(Format string contains positional fields\).*Received: filepath='m-{}.keras'"),
+    (("m-{loss[0]}.keras",), {}, ValueError, r"\('float' object is not subscriptable\).*Received: filepath="),
+    (("m.keras",), {"save_freq": 0}, ValueError, r"Pass save_freq='epoch' or a positive int. Received: save_freq=0"),
+    (("m.keras",), {"save_freq": "batch"}, ValueError, r"Received: save_freq='batch'"),
+    (("m.keras",), {"save_freq": True}, ValueError, r"Received: save_freq=True"),
+    (("m.keras",), {"monitor": 3}, TypeError, r"name of a logged metric.*Received: monitor=3"),
+    (("m.keras",), {"save_weights_only": True}, ValueError, r"must end in `.weights.h5`.*Received: filepath=m.keras"),  # Keras'
+    (("m.txt",), {}, ValueError, r"must end in `.keras`.*Received: filepath=m.txt"),  # Keras'
+]
+
+
+@pytest.mark.parametrize("arguments, keywords, error, message", BAD_ARGUMENTS, ids=[m[:40] for *_, m in BAD_ARGUMENTS])
+def test_bad_arguments_are_refused_at_construction(tmp_path, monkeypatch, arguments, keywords, error, message):
+    monkeypatch.chdir(tmp_path)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)], name="template")
+    arguments = tuple(model if a == "MODEL" else a for a in arguments)
+    with pytest.raises(error, match=message):
+        kerasmulti.ParallelModelCheckpoint(*arguments, **keywords)
+
+
+def _batches_before(error, parallel, x, y, checkpoint, **fit):
+    """Trains until `error` is raised; returns how many batches ran and whether an epoch ended."""
+    seen = {"batches": 0, "epochs": 0}
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.update(batches=seen["batches"] + 1),
+        on_epoch_end=lambda epoch, logs: seen.update(epochs=seen["epochs"] + 1),
+    )
+    with error:
+        parallel.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[checkpoint, counter], **fit)
+    return seen["batches"], seen["epochs"]
+
+
+def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path):
     _, parallel, x, y = _setup()
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m.keras"), monitor="val_acuracy", save_best_only=True)
-    with pytest.raises(ValueError, match=r"does not report it.*'loss', 'mae'.*Received: monitor='val_acuracy'"):
-        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[checkpoint])
+    error = pytest.raises(ValueError, match=r"does not report: it reports \[.*'loss', 'mae'.*Received: monitor='val_acuracy'")
+    assert _batches_before(error, parallel, x, y, checkpoint) == (1, 0)
+
+
+@pytest.mark.parametrize("name, save_freq", [
+    ("{val_acc}", "epoch"),  # not a metric of this model
+    ("{val_loss}", 1),  # batch-level saves see the batch's logs, without val_ metrics
+    ("{batch}", "epoch"),  # Keras fills batch in only for batch-level saves
+])
+def test_a_field_the_logs_never_have_is_refused_after_the_first_batch(tmp_path, name, save_freq):
+    _, parallel, x, y = _setup()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / f"m-{name}.keras"), save_freq=save_freq)
+    missing = name.strip("{}")
+    error = pytest.raises(ValueError, match=rf"filepath names \['{missing}'\], which this model does not report.*Received: filepath=")
+    assert _batches_before(error, parallel, x, y, checkpoint, validation_data=(x, y)) == (1, 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_val_field_without_validation_data_fails_at_the_first_save(tmp_path):
+    # val_ metrics appear at the end of an epoch, with validation data: Keras' first save is the first chance.
+    _, parallel, x, y = _setup()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m-{val_loss:.2f}.keras"))
+    error = pytest.raises(ValueError, match=r"names \['val_loss'\], which this epoch's logs do not have.*Received: filepath=")
+    assert _batches_before(error, parallel, x, y, checkpoint) == (3, 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_fields_from_the_epoch_logs_fill_the_filepath_in(tmp_path):
+    _, parallel, x, y = _setup()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "{epoch:02d}-{val_loss:.2f}-{mae:.1%}.keras"))
+    history = parallel.fit(x, y, epochs=2, verbose=0, validation_data=(x, y), callbacks=[checkpoint])
+    logs = history.history
+    expected = [f"{e + 1:02d}-{logs['val_loss'][e]:.2f}-{logs['mae'][e]:.1%}.keras" for e in range(2)]
+    assert sorted(os.listdir(tmp_path)) == expected
+
+
+@pytest.mark.parametrize("failure", [
+    lambda temporary: PermissionError(13, "Permission denied", temporary),
+    lambda temporary: OSError(f"Unable to create file (unable to open file: name = '{temporary}', errno = 28)"),  # h5py's
+], ids=["os", "h5py"])
+def test_a_failed_save_names_the_users_path_not_the_temporary(tmp_path, monkeypatch, failure):
+    model, parallel, x, y = _setup()
+    path = str(tmp_path / "m.keras")
+
+    def broken_save(filepath, *args, **kwargs):
+        raise failure(filepath)
+
+    monkeypatch.setattr(model, "save", broken_save)
+    with pytest.raises(OSError) as raised:
+        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path)])
+    assert path in str(raised.value) and "kerasmulti-tmp" not in str(raised.value), raised.value
+    assert _no_temporaries(tmp_path)
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -289,6 +443,37 @@ def test_a_crash_between_the_backups_writes_resumes_exactly_unlike_keras(tmp_pat
     expected, got = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
     same = all(np.allclose(got[key], expected[key], rtol=1e-6, atol=1e-7) for key in expected.files)
     assert same is resumes_exactly
+
+
+def _holds(path, arrays):
+    """Whether the checkpoint at `path` loads and holds exactly `arrays`; else why not."""
+    try:
+        loaded = keras.models.load_model(str(path))
+    except Exception as error:  # a torn file fails in zipfile, h5py or Keras, each its own way
+        return f"does not load: {error!r}"
+    return all(np.array_equal(np.asarray(w), arrays[f"arr_{i}"]) for i, w in enumerate(loaded.weights)) or "other weights"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keras_checkpoint, fault", [(False, "checkpoint:write:2"), (True, "checkpoint:write:5")], ids=["ours", "keras"])
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_unlike_keras(tmp_path, keras_checkpoint, fault):
+    # The process ends (as under SIGKILL) in the 2nd save, after batch 2. Ours
+    # has written the new file under a temporary name and not renamed it yet;
+    # Keras' ModelCheckpoint (the control) writes the target itself and is
+    # past the 2nd of the model's 3 Dense layers. The checkpoint must still
+    # be batch 1's, whole.
+    control = ["--keras-checkpoint"] if keras_checkpoint else []
+    crashed = _start_worker(tmp_path, 1, "--snapshots", *control, fault=fault)
+    output, _ = crashed.communicate(timeout=300)
+    assert crashed.returncode == _faults.EXIT_CODE, output
+    assert sorted(glob.glob(str(tmp_path / "snapshot-*"))) == [str(tmp_path / "snapshot-1.npz")]  # it crashed in save 2
+    holds = _holds(tmp_path / "ckpt.keras", np.load(tmp_path / "snapshot-1.npz"))
+    assert (holds is True) is not keras_checkpoint, holds
+    if not keras_checkpoint:
+        assert len(glob.glob(str(tmp_path / ".*kerasmulti-tmp*"))) == 1  # the new file, never renamed in
+        resumed = _start_worker(tmp_path, 1)
+        assert resumed.wait(timeout=300) == 0
+        assert _no_temporaries(tmp_path)
 
 
 @pytest.mark.parametrize("make", [

@@ -1,13 +1,18 @@
 """A training job for the kill and resume tests, run as a separate process.
 
-    python train_checkpointed.py FOLDER EPOCHS [--backup | --keras-backup] [--out weights.npz]
+    python train_checkpointed.py FOLDER EPOCHS [--backup | --keras-backup] [--keras-checkpoint]
+                                 [--snapshots] [--out weights.npz]
 
 Trains a seeded model data-parallel on 2 simulated devices with a
-ParallelModelCheckpoint saving FOLDER/ckpt.keras after every batch and, with
---backup, a ParallelBackupAndRestore in FOLDER/backup (--keras-backup: Keras'
-own BackupAndRestore, the control of the crash tests, with the same crash
-point after its weights file). Prints one line per epoch so the parent knows
-how far it got.
+ParallelModelCheckpoint saving FOLDER/ckpt.keras after every batch
+(--keras-checkpoint: Keras' own ModelCheckpoint, the control of the
+checkpoint crash test, with the crash point `checkpoint:write` reached in the
+middle of its write, after each Dense layer's weights) and, with --backup, a
+ParallelBackupAndRestore in FOLDER/backup (--keras-backup: Keras' own
+BackupAndRestore, the control of the backup crash tests, with the same crash
+point after its weights file). --snapshots writes the weights after each
+batch's checkpoint to FOLDER/snapshot-N.npz (N counts batches from 1).
+Prints one line per epoch so the parent knows how far it got.
 """
 
 import argparse
@@ -16,6 +21,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import kerasmulti  # noqa: E402
+from kerasmulti import _faults  # noqa: E402
 
 kerasmulti.simulate_devices(2)
 import keras  # noqa: E402
@@ -26,6 +32,8 @@ parser.add_argument("folder")
 parser.add_argument("epochs", type=int)
 parser.add_argument("--backup", action="store_true")
 parser.add_argument("--keras-backup", action="store_true")
+parser.add_argument("--keras-checkpoint", action="store_true")
+parser.add_argument("--snapshots", action="store_true")
 parser.add_argument("--out")
 args = parser.parse_args()
 
@@ -38,12 +46,29 @@ x = rng.normal(size=(96, 16)).astype("float32")
 y = rng.normal(size=(96, 4)).astype("float32")
 parallel = kerasmulti.parallelize(model, gpus=2)
 parallel.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-callbacks = [kerasmulti.ParallelModelCheckpoint(os.path.join(args.folder, "ckpt.keras"), save_freq=1)]
+checkpoint = os.path.join(args.folder, "ckpt.keras")
+if args.keras_checkpoint:
+    save_own_variables = keras.layers.Dense.save_own_variables
+
+    def save_then_crash(self, store):
+        save_own_variables(self, store)
+        _faults.reached("checkpoint:write")  # Keras writes the file in place: this is mid-write
+
+    keras.layers.Dense.save_own_variables = save_then_crash
+    callbacks = [keras.callbacks.ModelCheckpoint(checkpoint, save_freq=1)]
+else:
+    callbacks = [kerasmulti.ParallelModelCheckpoint(checkpoint, save_freq=1)]
+if args.snapshots:
+    seen = []
+
+    def snapshot(batch, logs):
+        seen.append(batch)
+        np.savez(os.path.join(args.folder, f"snapshot-{len(seen)}.npz"), *[np.asarray(w) for w in model.weights])
+
+    callbacks.append(keras.callbacks.LambdaCallback(on_train_batch_end=snapshot))
 if args.backup:
     callbacks.append(kerasmulti.ParallelBackupAndRestore(os.path.join(args.folder, "backup")))
 if args.keras_backup:
-    from kerasmulti import _faults
-
     class KerasBackup(keras.callbacks.BackupAndRestore):
         def _save_model(self):
             # Keras writes the weights, then the epoch's JSON: the crash point between them.

@@ -1,0 +1,229 @@
+"""A BackupAndRestore that resumes a parallel model exactly, and survives a kill.
+
+`ParallelBackupAndRestore` writes the files `keras.callbacks.BackupAndRestore`
+writes, in the same folder layout, so either callback resumes from the
+other's folder. Two things differ. Each file is replaced atomically (a
+temporary renamed into place), and the epoch also travels inside the weights
+file: Keras writes the weights, then the epoch in a JSON file, so a kill in
+between pairs new weights with an old epoch. And a damaged backup falls back
+to the previous one (`double_checkpoint=True`) with a warning, or stops with
+an error that names the file, where Keras would raise h5py's or json's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+
+import h5py
+import keras
+
+from kerasmulti import _atomic, _cluster, _faults
+from kerasmulti._checkpoint import check_local, check_target
+
+_METADATA = "kerasmulti_training_metadata"
+
+
+class _Damaged(Exception):
+    """A backup file that cannot be read; `reason` says why."""
+
+    def __init__(self, path: str, reason: Exception):
+        super().__init__(path, reason)
+        self.path, self.reason = path, reason
+
+
+class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """`BackupAndRestore` that resumes a parallel model exactly, and survives a kill.
+
+    It backs up the whole training state of a parallel model (the template's
+    weights and the optimizer), writes it to a temporary file renamed into
+    place, with the epoch stored inside that file (Keras writes the weights in
+    place and the epoch in a separate JSON file, so a kill in between can
+    tear the backup or pair new weights with an old epoch), and restores it
+    when the same training command runs again: epoch, weights and optimizer
+    state continue where the interrupted run stopped. Arguments are those of
+    `keras.callbacks.BackupAndRestore`, and the folder holds the same files,
+    so either callback resumes from the other's backup.
+
+    A damaged backup (a torn weights file, or for a backup Keras wrote, a
+    torn epoch file) falls back to the previous one if `double_checkpoint`
+    kept it, with a warning; otherwise training stops with an error naming
+    the file, before any epoch runs.
+
+    In a multi-worker cluster only the chief writes and deletes the backup;
+    every worker restores from it, so `backup_dir` must be a folder all
+    workers can read (a shared file system across machines).
+
+    Args:
+        backup_dir: Folder for the backup; deleted when training finishes.
+        save_freq: `"epoch"`, or an int: back up every that many batches.
+            With an int, a resumed run starts the interrupted epoch over (as
+            Keras does), so only `"epoch"` resumes exactly.
+        double_checkpoint: Also keep the previous backup (the `.bkp` files),
+            to fall back to if the latest is damaged.
+        delete_checkpoint: Delete the backup when training finishes.
+
+    Raises:
+        TypeError: If `backup_dir` is not a path.
+        ValueError: If `backup_dir` is empty, remote, a file, or under a file
+            or a folder this process cannot write; if `save_freq` is neither
+            `"epoch"` nor an int.
+        OSError: When training starts, if the backup is damaged and there is
+            no previous backup to fall back to, or that is damaged too.
+
+    Example:
+
+    ```python
+    import keras, numpy as np, kerasmulti
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model)
+    parallel.compile(optimizer="adam", loss="mse")
+    backup = kerasmulti.ParallelBackupAndRestore("backup")  # same line on restart
+    parallel.fit(np.ones((32, 4)), np.ones((32, 1)), epochs=3, callbacks=[backup], verbose=0)
+    ```
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike,
+        save_freq: str | int = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+    ):
+        if backup_dir and not isinstance(backup_dir, (str, os.PathLike)):  # empty: Keras' error
+            raise TypeError(
+                "ParallelBackupAndRestore's backup_dir must be a folder path (a str or os.PathLike). "
+                f"Pass one such as 'backup'. Received: backup_dir={backup_dir!r}"
+            )
+        super().__init__(backup_dir, save_freq, double_checkpoint, delete_checkpoint)
+        check_local(backup_dir, "ParallelBackupAndRestore", "backup_dir")
+        check_target(backup_dir, "ParallelBackupAndRestore", "backup_dir", backup_dir, folder=True)
+
+    def on_train_begin(self, logs=None):
+        if _cluster.is_chief():
+            _atomic.remove_stale_temporaries(self._weights_path)
+        try:
+            epoch = self._restore(self._weights_path, self._training_metadata_path)
+        except _Damaged as damaged:
+            epoch = self._restore_previous(damaged)
+        if epoch is not None:
+            self.model._initial_epoch = epoch
+
+    def _restore_previous(self, damaged: _Damaged):
+        """Resumes from the `.bkp` files, as Keras does, and says so."""
+        latest, previous = self._weights_path, self._prev_weights_path
+        if not os.path.exists(previous):
+            raise OSError(
+                f"ParallelBackupAndRestore cannot resume: the backup file '{damaged.path}' is damaged "
+                f"({damaged.reason}) and there is no previous backup to fall back to. Delete the folder "
+                f"'{self.backup_dir}' to start training over. Received: backup_dir={self.backup_dir!r}"
+            ) from damaged.reason
+        warnings.warn(
+            f"ParallelBackupAndRestore: the backup file '{damaged.path}' is damaged ({damaged.reason}); "
+            f"resuming from the previous backup, '{previous}', one save earlier.",
+            stacklevel=3,
+        )
+        try:
+            epoch = self._restore(previous, self._prev_training_metadata_path)
+        except _Damaged as too:
+            raise OSError(
+                f"ParallelBackupAndRestore cannot resume: the backup file '{damaged.path}' and the "
+                f"previous one, '{too.path}', are both damaged ({too.reason}). Delete the folder "
+                f"'{self.backup_dir}' to start training over. Received: backup_dir={self.backup_dir!r}"
+            ) from too.reason
+        if _cluster.is_chief():
+            # The previous backup becomes the latest, as in Keras, so that the
+            # next save keeps it as `.bkp` instead of the damaged file.
+            pairs = ((previous, latest), (self._prev_training_metadata_path, self._training_metadata_path))
+            for source, target in pairs:
+                if os.path.exists(source):
+                    _copy(source, target)
+                elif os.path.exists(target):
+                    os.remove(target)
+        return epoch
+
+    def _restore(self, weights: str, metadata: str):
+        """Loads `weights` and returns the epoch to resume at (None: no backup)."""
+        if not os.path.exists(weights):
+            return None
+        epoch = _read_epoch(weights, metadata)
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)  # its variables must exist to be loaded
+        try:
+            if weights.endswith(".weights.h5"):
+                self.model.load_weights(weights)
+            else:  # Keras reads the format from the suffix, which `.bkp` hides
+                with tempfile.TemporaryDirectory() as folder:
+                    copy = os.path.join(folder, "previous.weights.h5")
+                    shutil.copyfile(weights, copy)
+                    self.model.load_weights(copy)
+        except OSError as error:
+            raise _Damaged(weights, error) from error
+        return epoch
+
+    def _save_model(self):
+        # Keras writes the weights, then the epoch in a JSON file: a kill in
+        # between pairs new weights with an old epoch. Here the epoch also
+        # travels inside the weights file, which is replaced atomically.
+        if not _cluster.is_chief():
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        if self.double_checkpoint:
+            pairs = (
+                (self._weights_path, self._prev_weights_path),
+                (self._training_metadata_path, self._prev_training_metadata_path),
+            )
+            for source, target in pairs:
+                if os.path.exists(source):
+                    _copy(source, target)
+        metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
+
+        def save(tmp):
+            self.model.save_weights(tmp)
+            with h5py.File(tmp, "a") as f:
+                f.attrs[_METADATA] = metadata
+
+        _atomic.write(self._weights_path, save)
+        _faults.reached("backup:weights")
+        _atomic.write(self._training_metadata_path, lambda tmp: _write_text(tmp, metadata))
+
+    def on_train_end(self, logs=None):
+        if _cluster.is_chief():
+            super().on_train_end(logs)
+
+
+def _read_epoch(weights: str, metadata: str) -> int:
+    """The epoch a backup resumes at: from inside the weights file, else Keras' JSON file."""
+    try:
+        with h5py.File(weights, "r") as f:
+            text, source = f.attrs.get(_METADATA), weights
+    except OSError as error:
+        raise _Damaged(weights, error) from error
+    try:
+        if text is None:  # a backup Keras wrote
+            text, source = _read_text(metadata), metadata
+        fields = json.loads(text)
+        epoch = fields.get("epoch") if isinstance(fields, dict) else None
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            raise ValueError(f"it holds no epoch number: {str(text)[:80]!r}")
+    except (OSError, ValueError) as error:
+        raise _Damaged(source, error) from error
+    return epoch
+
+
+def _copy(source: str, target: str) -> None:
+    _atomic.write(target, lambda tmp: shutil.copyfile(source, tmp))
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)

@@ -1,0 +1,285 @@
+"""A ModelCheckpoint for parallel models: saves the template, atomically.
+
+`ParallelModelCheckpoint` is `keras.callbacks.ModelCheckpoint` with three
+changes: it saves the template behind a parallel model (never the wrapper);
+every write goes to a temporary file beside the target that is renamed into
+place, so a killed process leaves the previous good checkpoint or the new
+one; and a target no save could write (a file where a folder must be, a
+template Keras cannot fill in, a field the logs never have) is refused at
+construction or after the first batch, not after an epoch of training. The
+path checks at the bottom serve `_backup` too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import keras
+
+from kerasmulti import _atomic, _cluster, _faults
+from kerasmulti._parallel import unwrap
+
+
+class _TemplateFirst(type):
+    """Takes the Keras 2 form `ParallelModelCheckpoint(template_model, filepath, ...)`.
+
+    The rule: a `keras.Model` as the first positional argument is the model to
+    save. It is taken off before `__init__` binds the rest, so `__init__` keeps
+    `ModelCheckpoint`'s exact signature and the old form's keywords
+    (`filepath=`, `monitor=`) bind as they did in Keras 2.
+    """
+
+    def __call__(cls, *args, **kwargs):
+        if not (args and isinstance(args[0], keras.Model)):
+            return super().__call__(*args, **kwargs)
+        template, args = args[0], args[1:]
+        if not args and "filepath" not in kwargs:
+            raise TypeError(
+                f"{cls.__name__} was given a model to save but no filepath. "
+                f"Pass the file after the model: {cls.__name__}(model, 'model.keras'). "
+                f"Received: template_model={template!r}"
+            )
+        callback = super().__call__(*args, **kwargs)
+        callback._template = unwrap(template)
+        return callback
+
+    @property
+    def __signature__(cls):
+        # What help() and IDEs show: __init__'s arguments, not __call__'s (*args, **kwargs).
+        return inspect.Signature(list(inspect.signature(cls.__init__).parameters.values())[1:])
+
+
+class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_TemplateFirst):
+    """A drop-in `ModelCheckpoint` that saves the template model, atomically.
+
+    Every argument means what it means in `keras.callbacks.ModelCheckpoint`,
+    and on a plain model it behaves like it. On a model returned by
+    `kerasmulti.parallelize` it saves the template, so the file loads with
+    `keras.models.load_model` (or `load_weights`) on any number of devices,
+    without kerasmulti. Each save is written to a temporary file beside the
+    target and renamed into place: a process killed at any moment leaves the
+    previous checkpoint or the new one, never a torn file; temporaries left
+    by killed processes are removed when training starts. `callback.model`
+    is the model being trained, as in Keras.
+
+    The Keras 2 form `ParallelModelCheckpoint(template_model, filepath, ...)`
+    also works: a `keras.Model` as first argument is the model saved, and
+    the other arguments follow it as in `ModelCheckpoint`.
+
+    In a multi-worker cluster only the chief (worker 0) writes; the other
+    workers hold the same weights and never touch the file.
+
+    Args:
+        filepath: Where to save: ends in `.keras`, `.h5` (legacy HDF5) or,
+            with `save_weights_only=True`, `.weights.h5`. May hold format
+            fields such as `"w-{epoch:02d}-{val_loss:.2f}.keras"`: `epoch`,
+            `batch` (with an int `save_freq`) and the names in the logs.
+            Missing folders are created at the first save.
+        monitor: The metric to monitor for `save_best_only`.
+        verbose: 0 is silent, 1 prints a line per save.
+        save_best_only: Save only when `monitor` improves.
+        save_weights_only: Save only the weights.
+        mode: `"auto"`, `"min"` or `"max"`: which way `monitor` improves.
+        save_freq: `"epoch"`, or an int: save every that many batches.
+        initial_value_threshold: The value `monitor` must beat to be saved.
+
+    Raises:
+        TypeError: If `filepath` is not a path, or the Keras 2 form lacks it.
+        ValueError: At construction, if `filepath` cannot be filled in (an
+            unbalanced brace, a format such as `{loss:d}` that does not fit
+            a float), is remote, is an existing folder, or lies under a file
+            or a folder this process cannot write; if its suffix does not fit
+            `save_weights_only`, or `save_freq` is neither `"epoch"` nor a
+            positive int. After the first batch, if `filepath` names a field
+            the logs do not have, or `save_best_only` with `mode="auto"`
+            monitors a metric the model does not report (with an explicit
+            mode, Keras warns at each save instead).
+
+    Example:
+
+    ```python
+    import keras, numpy as np, kerasmulti
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model)
+    parallel.compile(optimizer="adam", loss="mse")
+    checkpoint = kerasmulti.ParallelModelCheckpoint("best.keras", monitor="loss", save_best_only=True)
+    parallel.fit(np.ones((32, 4)), np.ones((32, 1)), epochs=2, callbacks=[checkpoint], verbose=0)
+    reloaded = keras.models.load_model("best.keras")  # the template
+    ```
+    """
+
+    def __init__(
+        self,
+        filepath: str | os.PathLike,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        initial_value_threshold: float | None = None,
+    ):
+        if not isinstance(filepath, (str, os.PathLike)):
+            raise TypeError(
+                "ParallelModelCheckpoint's filepath must be a path (a str or os.PathLike), in the "
+                "Keras 2 form after the keras.Model to save. Pass a path such as 'model.keras'. "
+                f"Received: filepath={filepath!r}"
+            )
+        check_local(filepath, "ParallelModelCheckpoint", "filepath")
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(
+                "ParallelModelCheckpoint saves at the end of every epoch or every N batches. "
+                f"Pass save_freq='epoch' or a positive int. Received: save_freq={save_freq!r}"
+            )
+        if not isinstance(monitor, str):
+            raise TypeError(
+                "ParallelModelCheckpoint's monitor is the name of a logged metric. "
+                f"Pass a string such as 'val_loss'. Received: monitor={monitor!r}"
+            )
+        super().__init__(
+            filepath, monitor, verbose, save_best_only, save_weights_only, mode, save_freq, initial_value_threshold
+        )
+        self._names, trial = _fields(self.filepath)
+        check_target(trial, "ParallelModelCheckpoint", "filepath", self.filepath)
+        self._template = None  # the Keras 2 form's model (see _TemplateFirst)
+        self._saved = None
+        self._names_checked = False
+
+    def set_model(self, model):
+        super().set_model(model)
+        # A parallel model's own save() writes its template (with the compile
+        # settings); a Keras 2 form's model that is another one is saved as it is.
+        template = self._template
+        self._saved = model if template is None or template is unwrap(model) else template
+        if not _cluster.is_chief():
+            self.verbose = 0  # it saves nothing here, so it reports nothing
+
+    def on_train_begin(self, logs=None):
+        if _cluster.is_chief():  # another worker's temporary may be the chief's save in flight
+            _atomic.remove_stale_temporaries(self.filepath)
+        self._names_checked = False
+        super().on_train_begin(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        # Names are known from the first batch's logs: a typo fails after one
+        # batch, not with Keras' error after a whole epoch.
+        if not self._names_checked and logs:
+            self._names_checked = True
+            self._check_names(set(logs))
+        super().on_train_batch_end(batch, logs)
+
+    def _check_names(self, reported: set) -> None:
+        """Refuses a monitor or filepath field that no log of this model will hold."""
+        known = reported | {f"val_{name}" for name in reported}
+        # With an explicit mode, a metric another callback adds to the epoch
+        # logs is legitimate; Keras warns at save time if it is missing.
+        if self.save_best_only and self.mode == "auto" and self.monitor not in known:
+            raise ValueError(
+                f"ParallelModelCheckpoint(save_best_only=True) monitors '{self.monitor}', which this "
+                f"model does not report: it reports {sorted(known)} (val_ ones with validation data). "
+                f"Pass monitor= one of those. Received: monitor={self.monitor!r}"
+            )
+        # Batch-level saves fill the filepath in from the batch's logs, which have no val_ metrics.
+        available = (reported | {"batch"}) if self.save_freq != "epoch" else known
+        self._check_fields(available | {"epoch"}, "this model does not report")
+
+    def _check_fields(self, available: set, why: str) -> None:
+        missing = sorted(self._names - available)
+        if missing:
+            raise ValueError(
+                f"ParallelModelCheckpoint's filepath names {missing}, which {why}, so it cannot be "
+                f"filled in. Use names from {sorted(available)}, or an int save_freq for {{batch}}. "
+                f"Received: filepath={self.filepath!r}"
+            )
+
+    def _save_model(self, epoch, batch, logs):
+        # Keras' version, with the save made atomic and errors that name the user's path.
+        logs = logs or {}
+        given = set(logs) | {"epoch"} | ({"batch"} if batch is not None else set())
+        self._check_fields(given, f"this {'epoch' if batch is None else 'batch'}'s logs do not have")
+        filepath = self._get_file_path(epoch, batch, logs)
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if _cluster.is_chief():  # every worker holds the same weights
+            self._write(filepath)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
+
+    def _write(self, filepath: str) -> None:
+        if os.path.isdir(filepath):
+            raise IsADirectoryError(
+                f"ParallelModelCheckpoint's filepath, filled in, is the existing folder '{filepath}'. "
+                f"Remove that folder or change the filepath. Received: filepath={self.filepath!r}"
+            )
+        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+        writer = self._saved.save_weights if self.save_weights_only else self._saved.save
+
+        def save(temporary):
+            writer(temporary, overwrite=True)
+            _faults.reached("checkpoint:write")  # the new file is complete; the old one still in place
+
+        _atomic.write(filepath, save)
+
+
+class _TrialValues(dict):
+    """What Keras fills a filepath in with, as trial values: epoch and batch ints, every log a float."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __missing__(self, name):
+        self.names.add(name)
+        return 1 if name in ("epoch", "batch") else 0.5
+
+
+def _fields(filepath: str) -> tuple[set, str]:
+    """The names `filepath` is filled in with, and a path it gives; refuses one Keras could not fill in."""
+    trial = _TrialValues()
+    try:
+        path = filepath.format_map(trial)
+    except (ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
+        raise ValueError(
+            f"ParallelModelCheckpoint cannot fill in its filepath ({error}), so every save would fail. "
+            "Use named fields such as {epoch:02d} or {val_loss:.2f} (epoch and batch are ints, logged "
+            f"values floats; {{{{ is a literal brace). Received: filepath={filepath!r}"
+        ) from None
+    return trial.names, path
+
+
+def check_local(path, caller: str, name: str) -> None:
+    """Refuses remote paths (gs://, s3://, hdfs://), which atomic renames cannot serve."""
+    if "://" in str(path):
+        raise ValueError(
+            f"{caller} writes local files only, replacing them by renaming a finished temporary "
+            "file, which remote storage cannot do atomically. Write to a local or mounted folder "
+            f"and copy the files to remote storage from there. Received: {name}={path!r}"
+        )
+
+
+def check_target(path, caller: str, name: str, value, folder: bool = False) -> None:
+    """Refuses a file (or, with `folder`, a folder) target that no save could write.
+
+    Missing folders are fine (they are created at the first save); the
+    nearest existing one must be a folder this process can write into.
+    """
+    path = os.path.abspath(path)
+    if not folder and os.path.isdir(path):
+        raise ValueError(
+            f"{caller}'s {name} is an existing folder, where a file must go. "
+            f"Name a file, or remove that folder. Received: {name}={value!r}"
+        )
+    existing = path if folder else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(
+            f"{caller} cannot create the folder for its {name}: '{existing}' is a file. "
+            f"Remove that file or pick another folder. Received: {name}={value!r}"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{caller} cannot write into '{existing}': this process has no permission there. "
+            f"Fix the folder's permissions or pick another folder. Received: {name}={value!r}"
+        )

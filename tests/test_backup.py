@@ -1,0 +1,174 @@
+"""ParallelBackupAndRestore: Keras' files, damaged backups, and Keras' own tests as a drop-in.
+
+The kill-and-resume tests are in test_callbacks.py, beside the worker they share.
+"""
+
+import json
+import re
+import os
+from unittest import mock
+
+import keras
+import numpy as np
+import pytest
+from keras.src.callbacks import backup_and_restore_test as keras_tests
+
+import kerasmulti
+from test_callbacks import _setup
+
+FILES = ["latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json", "training_metadata.json.bkp"]
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Ends training with an error after `epochs` epochs (after the backup, which comes first)."""
+
+    def __init__(self, epochs):
+        super().__init__()
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epochs:
+            raise RuntimeError("interrupted")
+
+
+def _interrupted(backup, epochs=2, seed=0):
+    """Trains a parallel model with `backup` until it is interrupted after `epochs`; returns the weights after each epoch."""
+    model, parallel, x, y = _setup(seed)
+    weights = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: weights.append([np.asarray(w) for w in model.weights]))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        parallel.fit(x, y, epochs=10, verbose=0, callbacks=[backup, record, _Interrupt(epochs)])
+    return weights
+
+
+def _resume(backup, seed=1):
+    """A fresh parallel model (other initial weights) resumed with `backup`: (first epoch run, weights at the start)."""
+    model, parallel, x, y = _setup(seed)
+    start = {}
+    begin = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda e, logs: start or start.update(epoch=e, weights=[np.asarray(w) for w in model.weights])
+    )
+    parallel.fit(x, y, epochs=4, verbose=0, callbacks=[backup, begin])
+    return start["epoch"], start["weights"]
+
+
+def _assert_weights(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def _damage(path):
+    with open(path, "w") as f:
+        f.write("0")  # as Keras' own test damages a backup
+
+
+@pytest.mark.parametrize("make", [keras.callbacks.BackupAndRestore, kerasmulti.ParallelBackupAndRestore])
+def test_double_checkpoint_writes_the_files_keras_writes(tmp_path, make):
+    _interrupted(make(str(tmp_path), double_checkpoint=True))
+    assert sorted(os.listdir(tmp_path)) == FILES
+    with open(tmp_path / "training_metadata.json.bkp") as f:
+        assert json.load(f)["epoch"] == 1
+
+
+def test_callback_model_is_the_model_being_trained(tmp_path):
+    _, parallel, x, y = _setup()
+    backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path / "backup"))
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[backup])
+    assert backup.model is parallel
+
+
+@pytest.mark.parametrize("damaged", ["latest.weights.h5", "training_metadata.json"])
+def test_a_damaged_backup_falls_back_to_the_previous_one_with_a_warning(tmp_path, damaged):
+    if damaged == "training_metadata.json":
+        # ParallelBackupAndRestore reads the epoch from inside its weights file;
+        # Keras' weights file has none, so Keras' JSON file is what counts.
+        weights = _interrupted(keras.callbacks.BackupAndRestore(str(tmp_path), double_checkpoint=True))
+    else:
+        weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
+    _damage(tmp_path / damaged)
+    backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True, delete_checkpoint=False)
+    with pytest.warns(UserWarning, match=rf"backup file '.*{damaged}' is damaged .*resuming from the previous backup, '.*\.bkp', one save earlier"):
+        epoch, start = _resume(backup)
+    assert epoch == 1  # the previous backup: after the first epoch
+    _assert_weights(start, weights[0])
+    assert sorted(os.listdir(tmp_path)) == FILES
+
+
+def test_a_damaged_epoch_file_beside_intact_weights_costs_nothing(tmp_path):
+    # Ours carry the epoch inside the weights file, replaced atomically: the JSON (for Keras) is not needed.
+    weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
+    _damage(tmp_path / "training_metadata.json")
+    epoch, start = _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
+    assert epoch == 2
+    _assert_weights(start, weights[1])
+
+
+@pytest.mark.parametrize("damaged, writer", [
+    ("latest.weights.h5", kerasmulti.ParallelBackupAndRestore),
+    ("training_metadata.json", keras.callbacks.BackupAndRestore),
+])
+def test_a_damaged_backup_without_a_previous_one_stops_naming_the_file(tmp_path, damaged, writer):
+    _interrupted(writer(str(tmp_path)))
+    _damage(tmp_path / damaged)
+    match = rf"backup file '.*{damaged}' is damaged \(.*\) and there is no previous backup.*Delete the folder '{re.escape(str(tmp_path))}' to start training over. Received: backup_dir="
+    with pytest.raises(OSError, match=match):
+        _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
+
+
+def test_both_backups_damaged_stops_naming_both(tmp_path):
+    _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
+    _damage(tmp_path / "latest.weights.h5")
+    _damage(tmp_path / "latest.weights.h5.bkp")
+    with pytest.warns(UserWarning, match="resuming from the previous backup"):
+        with pytest.raises(OSError, match=r"'.*latest.weights.h5' and the previous one, '.*latest.weights.h5.bkp', are both damaged.*Received: backup_dir="):
+            _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
+
+
+def test_plain_keras_resumes_from_the_previous_backup_after_damage(tmp_path):
+    # Needs training_metadata.json.bkp: without it Keras drops the epoch and starts over from epoch 0.
+    model, parallel, x, y = _setup()
+    weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
+    _damage(tmp_path / "latest.weights.h5")
+    plain = keras.models.clone_model(model)
+    plain.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    start = {}
+    begin = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda e, logs: start or start.update(epoch=e, weights=[np.asarray(w) for w in plain.weights])
+    )
+    plain.fit(x, y, epochs=4, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), double_checkpoint=True), begin])
+    assert start["epoch"] == 1
+    _assert_weights(start["weights"], weights[0])
+
+
+def test_resumes_from_a_backup_plain_keras_wrote(tmp_path):
+    weights = _interrupted(keras.callbacks.BackupAndRestore(str(tmp_path)))
+    epoch, start = _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
+    assert epoch == 2
+    _assert_weights(start, weights[1])
+
+
+@pytest.mark.parametrize("backup_dir, error, message", [
+    (3, TypeError, r"must be a folder path.*Received: backup_dir=3"),
+    ("", ValueError, r"Empty `backup_dir` argument passed"),  # Keras'
+    ("s3://bucket/backup", ValueError, r"writes local files only.*Received: backup_dir='s3://bucket/backup'"),
+])
+def test_bad_backup_dirs_are_refused_at_construction(backup_dir, error, message):
+    with pytest.raises(error, match=message):
+        kerasmulti.ParallelBackupAndRestore(backup_dir)
+
+
+def test_bad_save_freq_is_keras_error():
+    with pytest.raises(ValueError, match=r"Invalid value for argument `save_freq`. Received: save_freq=batch"):
+        kerasmulti.ParallelBackupAndRestore("backup", save_freq="batch")
+
+
+@pytest.mark.filterwarnings("ignore:ParallelBackupAndRestore. the backup file:UserWarning")  # test_backup_corrupted's
+class TestKerasOwnTestsOnParallelBackupAndRestore(keras_tests.BackupAndRestoreCallbackTest):
+    """Keras' BackupAndRestore tests, run with ParallelBackupAndRestore in its place: a drop-in."""
+
+    def setUp(self):
+        super().setUp()
+        swap = mock.patch.object(keras_tests.callbacks, "BackupAndRestore", kerasmulti.ParallelBackupAndRestore)
+        swap.start()
+        self.addCleanup(swap.stop)
