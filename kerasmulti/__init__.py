@@ -45,7 +45,7 @@ from kerasmulti._parallel import unwrap  # noqa: E402
 from kerasmulti._callbacks import ParallelBackupAndRestore  # noqa: E402
 from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
-from kerasmulti._launch import LaunchError  # noqa: E402
+from kerasmulti._tf_config import LaunchError  # noqa: E402
 from kerasmulti._launch import launch  # noqa: E402
 from kerasmulti._placement import OnDevice  # noqa: E402
 from kerasmulti._placement import device_scope  # noqa: E402
