@@ -78,7 +78,8 @@ def _import_public() -> None:
     from kerasmulti._backup import ParallelBackupAndRestore
     from kerasmulti._checkpoint import ParallelModelCheckpoint
     from kerasmulti._inference import parallel_predict
-    from kerasmulti._launch import LaunchError, launch
+    from kerasmulti._launch import launch
+    from kerasmulti._tf_config import LaunchError
     from kerasmulti._placement import OnDevice, device_scope, on_device, remap_devices
     from kerasmulti._summary import PlacementSummary, placement_summary
 

@@ -62,10 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--workers", type=int, help="local worker processes on free localhost ports")
     launch.add_argument(
         "--devices-per-worker", type=int,
-        help="GPUs per worker (worker i sees GPUs i*K..i*K+K-1); without GPUs, simulated CPU devices",
+        help="GPUs per local worker (worker i sees GPUs i*K..i*K+K-1); without GPUs a worker is one replica",
     )
     launch.add_argument("--hosts", help="a real cluster: host1:port,host2:port (with --index)")
     launch.add_argument("--index", type=int, help="which of --hosts this machine is")
+    launch.add_argument(
+        "--port", type=int,
+        help="under srun (one task per worker): the first port of the workers on each node (default: from SLURM_JOB_ID)",
+    )
     launch.add_argument("script", help="the Python script each worker runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -91,42 +95,9 @@ def _simulate_without_gpus(requested: int | None, pin_threads: bool) -> None:
 
 
 def _launch(args) -> int:
-    from kerasmulti import _launch
+    from kerasmulti import _launch_command
 
-    command = [sys.executable, args.script, *args.args]
-    if args.hosts is not None:
-        if args.workers is not None:
-            raise _launch.LaunchError(
-                "Pass either --workers (local processes) or --hosts with --index (one "
-                f"worker of a real cluster), not both. Received: workers={args.workers}, hosts={args.hosts!r}"
-            )
-        _refuse_local_options(args)
-        hosts = _launch.parse_hosts(args.hosts, args.index)
-        env = {**os.environ, "TF_CONFIG": _launch.tf_config(hosts, args.index), _launch.ENV_JOIN: "1"}
-        return _launch.run_one(command, env)
-    if args.index is not None:
-        raise _launch.LaunchError(
-            "--index says which of the --hosts this machine is; without --hosts it "
-            "means nothing. Pass --hosts with it, or drop it (--workers numbers the "
-            f"local workers itself). Received: index={args.index}"
-        )
-    if args.workers is None and os.environ.get("TF_CONFIG"):
-        _refuse_local_options(args)
-        # An existing TF_CONFIG: run this worker as it says, joining at import.
-        return _launch.run_one(command, {**os.environ, _launch.ENV_JOIN: "1"})
-    return _launch.run_workers(command, args.workers, args.devices_per_worker)
-
-
-def _refuse_local_options(args) -> None:
-    from kerasmulti import _launch
-
-    if args.devices_per_worker is not None:
-        raise _launch.LaunchError(
-            "--devices-per-worker splits this machine's GPUs among the workers "
-            "--workers starts here; one worker of a real cluster uses the GPUs it "
-            "sees (set CUDA_VISIBLE_DEVICES). Drop --devices-per-worker. "
-            f"Received: devices_per_worker={args.devices_per_worker}"
-        )
+    return _launch_command.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,11 +24,12 @@ replaced by the previous one, so that a launcher can stop its workers.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import warnings
+
+import tensorflow as tf
 
 from kerasmulti import _entry
 
@@ -36,6 +37,9 @@ ENV_CONFIG = "TF_CONFIG"
 ENV_JOIN = "KERASMULTI_JOIN"
 ENV_JOIN_TIMEOUT = "KERASMULTI_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 600.0
+# sysexits' EX_TEMPFAIL, "try again": a launched worker whose port another
+# process took exits with it, and its launcher starts the cluster again.
+EXIT_PORT_TAKEN = 75
 
 _strategy = None
 _start_error: Exception | None = None
@@ -67,18 +71,20 @@ class ClusterError(RuntimeError):
 
 
 def config() -> dict | None:
-    """The parsed `TF_CONFIG` when it names a cluster of more than one task, else None."""
+    """`TF_CONFIG` as TensorFlow's `TFConfigClusterResolver` reads it, if it names several tasks.
+
+    Returns `{"cluster": {job: [address, ...]}, "task": {"type": ..., "index": ...}}`,
+    or None without a cluster of more than one chief or worker task.
+    """
     text = os.environ.get(ENV_CONFIG)
     if not text:
         return None
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     try:
-        parsed = json.loads(text)
-        jobs = [parsed["cluster"][job] for job in ("chief", "worker") if job in parsed["cluster"]]
-        if not all(isinstance(hosts, list) for hosts in jobs):
-            raise TypeError("each job must list its tasks' addresses")
-        tasks = sum(len(hosts) for hosts in jobs)
-        task = parsed["task"]
-        task["type"], int(task["index"])
+        spec = resolver.cluster_spec()
+        task = {"type": resolver.task_type, "index": resolver.task_id}
+        if None in task.values():
+            raise KeyError("task")
     except (ValueError, KeyError, TypeError) as error:
         raise ClusterError(
             "TF_CONFIG must be JSON like {\"cluster\": {\"worker\": [\"host1:port\", "
@@ -86,7 +92,8 @@ def config() -> dict | None:
             "`kerasmulti launch` writes it for you. "
             f"({type(error).__name__}: {error}) Received: TF_CONFIG={text!r}"
         ) from None
-    return parsed if tasks > 1 else None
+    tasks = sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
+    return {"cluster": {job: spec.job_tasks(job) for job in spec.jobs}, "task": task} if tasks > 1 else None
 
 
 def is_chief() -> bool:
@@ -134,12 +141,14 @@ def start(requested: bool | None = None) -> None:
     (`requested=True`). A failure is kept and reported by `strategy()`,
     where the cluster is needed, unless TensorFlow itself failed to join (a
     worker never started, a port is taken): TensorFlow is then unusable in
-    this process, and the `ClusterError` is raised at once.
+    this process, and the `ClusterError` is raised at once. A launched
+    worker whose port another process took prints it and exits with
+    `EXIT_PORT_TAKEN` instead, so that its launcher starts the cluster again
+    on other ports.
     """
     global _strategy, _start_error, _join_requested
-    if requested is None:
-        requested = os.environ.get(ENV_JOIN) == "1"
-    if not requested or _strategy is not None or _started_by_command_line():
+    launched = requested is None and os.environ.get(ENV_JOIN) == "1"
+    if not (requested or launched) or _strategy is not None or _started_by_command_line():
         return
     _join_requested = True
     try:
@@ -152,7 +161,11 @@ def start(requested: bool | None = None) -> None:
             # The join itself failed: TensorFlow cannot start in this process
             # any more (its next op fails to start the gRPC server), so say
             # why now.
-            raise _start_failure(config()) from None
+            failure = _start_failure(config())
+            if launched and _port_taken(error):
+                print(f"kerasmulti.ClusterError: {failure}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_PORT_TAKEN) from None
+            raise failure from None
 
 
 def initialize() -> bool:
@@ -210,14 +223,12 @@ def join_timeout() -> float:
 
 
 def _join(timeout_s: float):
-    import tensorflow as tf
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
     from tensorflow.python.eager import context
 
-    resolver = TFConfigClusterResolver()
-    spec = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec()
     # As the strategy does: only chief and worker tasks take part (not an evaluator).
     if context.context().coordination_service is None and resolver.task_type in ("chief", "worker"):
         # What the strategy configures itself when none is set, plus the deadline:
@@ -290,6 +301,14 @@ def _start_failure(parsed: dict) -> ClusterError:
         )
     if isinstance(_start_error, ClusterError):
         return _start_error
+    if _port_taken(_start_error):
+        task = parsed["task"]
+        return ClusterError(
+            f"This worker cannot listen on its address of TF_CONFIG, "
+            f"{parsed['cluster'][task['type']][task['index']]}: another process holds the port. "
+            "Free it or give the worker another port (under SLURM: kerasmulti launch --port). "
+            f"Received: TF_CONFIG task={task}"
+        )
     # TensorFlow's messages run long: their first sentence says what happened.
     reason = str(_start_error).strip().split(". ")[0].rstrip(".") or type(_start_error).__name__
     waited = ""
@@ -304,3 +323,8 @@ def _start_failure(parsed: dict) -> ClusterError:
         "TF_CONFIG was started (`kerasmulti launch` starts them all) and can "
         f"reach the others. Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
     )
+
+
+def _port_taken(error) -> bool:
+    # What TensorFlow 2.21 raises when its server cannot bind the port.
+    return isinstance(error, tf.errors.UnknownError) and "Could not start gRPC server" in str(error)

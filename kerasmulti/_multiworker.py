@@ -24,9 +24,8 @@ around what breaks Keras 3 `fit` there:
   so its statistics are those of the global batch, as on one device.
 - Objects made outside the scope are brought in: an optimizer is re-created
   from its config; a metric's variables are re-created, like the template's.
-- Arrays are shuffled with a seed the chief chooses, so every worker keeps
-  its part of the same order; data that differs per worker comes as a
-  dataset function, padded with empty batches to the longest worker's count.
+- Every worker reads the same input and keeps its part of each batch, in an
+  order drawn from a seed the chief chooses (`_worker_inputs`).
 - fit, evaluate and predict end with a barrier, and a lost worker becomes a
   `ClusterError` that says to restart the job (it resumes from a backup).
 """
@@ -34,18 +33,15 @@ around what breaks Keras 3 `fit` there:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import random
 import tempfile
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras.src import tree
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+from keras.src.trainers.data_adapters import data_adapter_utils
 
-from kerasmulti import _cluster, _feeding, _losses, _split
+from kerasmulti import _cluster, _feeding, _losses, _worker_inputs
 from kerasmulti._parallel import ParallelModel
 
 
@@ -109,31 +105,21 @@ class WorkerModel(ParallelModel):
         done, so uneven sizes train as one process would on the workers'
         batches put together.
         """
-        kwargs = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
-        x, y, batch_size = kwargs.pop("x"), kwargs.pop("y"), kwargs.pop("batch_size")
+        arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
-        if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
-            x = self._per_worker_dataset(x)
-        elif isinstance(x, keras.utils.PyDataset):
-            x = _WorkerBatches(x, seed if kwargs["shuffle"] else None)
-            kwargs["shuffle"] = False
-        elif kwargs["shuffle"] and array_data_adapter.can_convert_arrays((x, y)):
-            x, y, batch_size, kwargs = self._shuffled(x, y, batch_size, kwargs, seed)
-        if kwargs.get("validation_data") is not None:
-            kwargs["validation_data"] = _worker_input(kwargs["validation_data"])
-        return self._on_all_workers(super().fit, (_worker_input(x), y, batch_size), kwargs)
+        return self._on_all_workers(super().fit, (), _worker_inputs.fit_arguments(self._strategy, arguments, seed))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
         kwargs = _feeding.bound(keras.Model.evaluate, args, kwargs)
-        kwargs["x"] = _worker_input(kwargs["x"])
+        kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().evaluate, (), kwargs)
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
         kwargs = _feeding.bound(keras.Model.predict, args, kwargs)
-        kwargs["x"] = _worker_input(kwargs["x"])
+        kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().predict, (), kwargs)
 
     def save(self, filepath, *args, **kwargs):
@@ -145,65 +131,6 @@ class WorkerModel(ParallelModel):
         """Saves the template's weights on the chief only."""
         if _cluster.is_chief():
             return super().save_weights(filepath, *args, **kwargs)
-
-    def _shuffled(self, x, y, batch_size, kwargs, seed):
-        # Keras shuffles arrays with an unseeded op: each worker would draw
-        # its own order and keep its part of it, seeing some samples twice
-        # and others never. Here every epoch's order is a function of the
-        # chief's seed and the epoch's number: the same on every worker, a
-        # new one each epoch, and the same again in a run resumed at that
-        # epoch (a reshuffling dataset would start over from its first order).
-        sample_weight = kwargs.pop("sample_weight", None)
-        arrays = (x, y, sample_weight)
-        split = kwargs.pop("validation_split", 0.0)
-        if split and kwargs.get("validation_data") is None:
-            arrays, validation = array_slicing.train_validation_split(arrays, split)
-            kwargs["validation_data"] = validation
-        rows = _split.batch_size(arrays[0])
-        # Lists are one tensor to tf.data, several inputs to Keras.
-        data = tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
-        epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-        def order(_):
-            return tf.random.experimental.stateless_shuffle(
-                tf.range(rows, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
-            )
-
-        rows_in_order = tf.data.Dataset.range(1).map(order).flat_map(tf.data.Dataset.from_tensor_slices)
-        tensors = tree.map_structure(tf.convert_to_tensor, data)
-        dataset = rows_in_order.batch(batch_size or 32).map(
-            lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
-        ).prefetch(2)
-        options = tf.data.Options()
-        options.autotune.enabled = False  # no teardown stall (see _sources.batched)
-        # The epoch is read when each epoch's order is drawn.
-        options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
-        kwargs["shuffle"] = False
-        return dataset.with_options(options), None, None, kwargs
-
-    def _per_worker_dataset(self, dataset_fn):
-        strategy = self._strategy
-        context = tf.distribute.InputContext(
-            num_input_pipelines=self.num_workers,
-            input_pipeline_id=strategy.extended._id_in_cluster,
-            num_replicas_in_sync=strategy.num_replicas_in_sync,
-        )
-        local = _batches(dataset_fn(context))
-        counts = _gather_step(strategy, tf.constant(local, tf.int64))
-        steps = int(tf.reduce_max(counts))
-
-        def padded(context):
-            dataset = dataset_fn(context)
-            missing = steps - _batches(dataset)
-            if missing == 0:
-                return dataset
-            empty = tree.map_structure(  # a dimension of any length (padded_batch) gets 0
-                lambda spec: tf.zeros([0, *(d or 0 for d in spec.shape[1:])], spec.dtype), dataset.element_spec
-            )
-            return dataset.concatenate(tf.data.Dataset.from_tensors(empty).repeat(missing))
-
-        return strategy.distribute_datasets_from_function(padded)
 
     def _on_all_workers(self, method, args, kwargs):
         if not _cluster.is_chief():
@@ -325,29 +252,9 @@ def _barrier(strategy):
     return strategy.reduce("sum", strategy.run(lambda: tf.constant(1.0)), axis=None)
 
 
-@tf.autograph.experimental.do_not_convert
-def _gather_one(strategy, value):
-    return strategy.gather(strategy.run(lambda: tf.reshape(value, [1])), axis=0)
-
-
 # Made once, traced once per strategy: a tf.function made at every call would
 # retrace every time, and TensorFlow warns about that after five.
 _barrier_step = tf.function(_barrier)
-_gather_step = tf.function(_gather_one)
-
-
-def _batches(dataset) -> int:
-    count = int(dataset.cardinality())
-    if count < 0:
-        raise ValueError(
-            "A per-worker dataset function must return a dataset of known, "
-            "finite length, so that workers with fewer batches can be padded "
-            "to the others' count. Give it one with "
-            "`dataset.apply(tf.data.experimental.assert_cardinality(n))`, or "
-            "drop `.repeat()`. Received: cardinality="
-            f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}"
-        )
-    return count
 
 
 def _cause(error) -> str:
@@ -414,99 +321,13 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     batch, so their shuffles must agree.
     """
     with _lost_workers_explained("parallelize()"), strategy.scope():
-        seed = tf.Variable(_shuffle_seed(), dtype="int64", trainable=False)
+        seed = tf.Variable(_worker_inputs.shuffle_seed(), dtype="int64", trainable=False)
         _adopt_variables(template.variables)
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)
     parallel._seed, parallel._fit_calls = int(seed.numpy()), 0
     return parallel
-
-
-def _shuffle_seed() -> int:
-    """The seed the chief proposes for shuffling arrays.
-
-    Reproducible when the program seeded Python's `random` (as
-    `keras.utils.set_random_seed` does), else random; read from the state
-    without drawing from it, so the user's random streams stay as in one
-    process.
-    """
-    digest = hashlib.sha256(repr(random.getstate()).encode()).digest()
-    return int.from_bytes(digest[:4], "little") % (2**31 - 1)
-
-
-def _worker_input(data):
-    """An input every worker reads whole, keeping its part of each batch.
-
-    A PyDataset's batches are copied (see `_WorkerBatches`). TensorFlow's
-    default splits a tf.data pipeline that reads files by file, so each
-    worker would read other files: other batches than one process, and
-    predictions out of order; it is split by rows instead, unless the user
-    chose a policy.
-    """
-    if isinstance(data, keras.utils.PyDataset) and not isinstance(data, _WorkerBatches):
-        return _WorkerBatches(data)
-    if not isinstance(data, tf.data.Dataset):
-        return data
-    if data.options().experimental_distribute.auto_shard_policy != tf.data.experimental.AutoShardPolicy.AUTO:
-        return data
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return data.with_options(options)
-
-
-class _EpochOrder(keras.callbacks.Callback):
-    """Sets the epoch that an input's order is drawn for, as each epoch begins."""
-
-    def __init__(self, epoch: tf.Variable):
-        super().__init__()
-        self._epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch.assign(epoch)
-
-
-class _WorkerBatches(keras.utils.PyDataset):
-    """A PyDataset's batches, copied, in an order every worker draws alike.
-
-    Keras shuffles a PyDataset with each process's own `random`: each worker
-    would take its part of other batches, some samples twice, others never.
-    With `seed`, the order is drawn from it, anew each epoch; without, it is
-    the dataset's own. Batches are copies: across workers TensorFlow 2.21
-    takes a generator's arrays without copying and may write into them,
-    which corrupted the user's arrays behind the batches (labels of the last
-    batch of an epoch replaced by other numbers, measured).
-    """
-
-    def __init__(self, data, seed=None):
-        super().__init__(
-            workers=getattr(data, "workers", 1),
-            use_multiprocessing=getattr(data, "use_multiprocessing", False),
-            max_queue_size=getattr(data, "max_queue_size", 10),
-        )
-        self.data, self.seed, self.epoch = data, seed, 0
-        self.order = self._draw()
-
-    def _draw(self):
-        if self.seed is None or self.data.num_batches is None:  # no order to draw from an endless one
-            return None
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.data.num_batches)
-
-    @property
-    def num_batches(self):
-        return self.data.num_batches
-
-    def __getitem__(self, index):
-        batch = self.data[index if self.order is None else int(self.order[index])]
-        return tree.map_structure(lambda a: np.array(a) if isinstance(a, np.ndarray) else a, batch)
-
-    def on_epoch_begin(self):
-        self.data.on_epoch_begin()
-
-    def on_epoch_end(self):
-        self.data.on_epoch_end()
-        self.epoch += 1
-        self.order = self._draw()
 
 
 @contextlib.contextmanager

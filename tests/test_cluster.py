@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from kerasmulti import _cluster, _launch, _multiworker
+from kerasmulti import _cluster, _tf_config, _worker_inputs
 
 WAIT_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "join_and_wait.py")
 
@@ -20,15 +20,15 @@ WAIT_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "join_and_wait.
 def test_no_tf_config_or_a_one_task_cluster_is_no_cluster(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     assert _cluster.config() is None and _cluster.is_chief()
-    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["localhost:1"], 0))
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["localhost:1"], 0))
     assert _cluster.config() is None and _cluster.strategy() is None
 
 
 @pytest.mark.parametrize(
     "config, chief",
     [
-        (_launch.tf_config(["a:1", "b:2"], 0), True),
-        (_launch.tf_config(["a:1", "b:2"], 1), False),
+        (_tf_config.tf_config(["a:1", "b:2"], 0), True),
+        (_tf_config.tf_config(["a:1", "b:2"], 1), False),
         ('{"cluster": {"chief": ["c:1"], "worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}', False),
         ('{"cluster": {"chief": ["c:1"], "worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', True),
     ],
@@ -50,14 +50,14 @@ def test_a_malformed_tf_config_is_refused(monkeypatch, text):
 
 
 def test_a_failed_join_is_reported_where_the_cluster_is_needed(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", OSError("port in use"))
     with pytest.raises(_cluster.ClusterError, match="joining the cluster failed: port in use.*Received: TF_CONFIG="):
         _cluster.strategy()
 
 
 def test_tf_config_set_after_the_import_is_explained(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", None)
     monkeypatch.setattr(_cluster, "_join_requested", True)
     with pytest.raises(_cluster.ClusterError, match="Set TF_CONFIG before Python starts.*Received: TF_CONFIG task="):
@@ -67,7 +67,7 @@ def test_tf_config_set_after_the_import_is_explained(monkeypatch):
 def test_a_cluster_nobody_asked_to_join_is_warned_about_and_trains_here(monkeypatch):
     # A training platform's TF_CONFIG, in a process that neither called
     # initialize() nor was started by the launcher.
-    monkeypatch.setenv("TF_CONFIG", _launch.tf_config(["a:1", "b:2"], 1))
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_warned_unjoined", False)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.warns(UserWarning, match=r"did not join it.*kerasmulti.initialize\(\).*Received: TF_CONFIG task="):
@@ -77,7 +77,7 @@ def test_a_cluster_nobody_asked_to_join_is_warned_about_and_trains_here(monkeypa
 
 @pytest.mark.slow
 def test_import_returns_at_once_under_a_tf_config_whose_peers_are_absent():
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(["localhost:1", "localhost:2"], 0)}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _tf_config.tf_config(["localhost:1", "localhost:2"], 0)}
     for name in ("KERASMULTI_SIMULATE_DEVICES", _cluster.ENV_JOIN):
         env.pop(name, None)
     started = time.monotonic()
@@ -92,8 +92,8 @@ def test_tensorflow_running_before_the_import_is_explained():
         "import keras, kerasmulti\n"
         "kerasmulti.initialize()\n"
     )
-    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(hosts, 0)}
+    hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _tf_config.tf_config(hosts, 0)}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0
@@ -111,12 +111,12 @@ def test_tensorflow_running_before_the_import_is_explained():
 )
 def test_a_per_worker_dataset_must_have_a_known_length(dataset, which):
     with pytest.raises(ValueError, match=f"assert_cardinality.*Received: cardinality={which}"):
-        _multiworker._batches(dataset)
-    assert _multiworker._batches(tf.data.Dataset.from_tensor_slices(np.zeros((5, 2))).batch(2)) == 3
+        _worker_inputs._batches(dataset)
+    assert _worker_inputs._batches(tf.data.Dataset.from_tensor_slices(np.zeros((5, 2))).batch(2)) == 3
 
 
 def _worker(index, hosts, script, **env):
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _launch.tf_config(hosts, index), **env}
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_CONFIG": _tf_config.tf_config(hosts, index), **env}
     environment.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.Popen(
         [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
@@ -127,7 +127,7 @@ def _worker(index, hosts, script, **env):
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
     # TensorFlow alone would wait an hour (the chief) and ignore SIGTERM.
-    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
+    hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
     started = time.monotonic()
     worker = _worker(index, hosts, WAIT_SCRIPT, KERASMULTI_JOIN_TIMEOUT="4")
     _, stderr = worker.communicate(timeout=120)
@@ -135,13 +135,13 @@ def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
     assert time.monotonic() - started < 60
     assert "ClusterError" in stderr
     assert "Not every worker joined within 4 s" in stderr and "KERASMULTI_JOIN_TIMEOUT" in stderr
-    assert f'Received: TF_CONFIG=\'{_launch.tf_config(hosts, index)}\'' in stderr
+    assert f'Received: TF_CONFIG=\'{_tf_config.tf_config(hosts, index)}\'' in stderr
 
 
 @pytest.mark.slow
 def test_workers_that_joined_stop_on_sigterm():
     # TensorFlow's own SIGTERM handler only logs; a launcher must be able to stop workers.
-    hosts = [f"localhost:{port}" for port in _launch.free_ports(2)]
+    hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
     workers = [_worker(i, hosts, WAIT_SCRIPT) for i in range(2)]
     try:
         for worker in workers:
@@ -174,12 +174,12 @@ def test_the_shuffle_seed_follows_a_seeded_program_without_drawing_from_it():
     import random
 
     random.seed(3)
-    first, drawn = _multiworker._shuffle_seed(), random.random()
+    first, drawn = _worker_inputs.shuffle_seed(), random.random()
     random.seed(3)
-    assert _multiworker._shuffle_seed() == first
+    assert _worker_inputs.shuffle_seed() == first
     assert random.random() == drawn  # the program's own random stream is untouched
     random.seed(4)
-    assert _multiworker._shuffle_seed() != first
+    assert _worker_inputs.shuffle_seed() != first
 
 
 def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_order():
@@ -202,7 +202,7 @@ def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_or
         def __getitem__(self, i):
             return rows[:3] + i
 
-    first, again = (_multiworker._WorkerBatches(Batches(), seed=5) for _ in range(2))
+    first, again = (_worker_inputs.WorkerBatches(Batches(), seed=5) for _ in range(2))
     order = [int(first[i][0, 0]) // 3 for i in range(4)]
     assert sorted(order) == [0, 1, 2, 3]
     assert order == [int(again[i][0, 0]) // 3 for i in range(4)]  # every worker draws the same
@@ -212,5 +212,20 @@ def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_or
         first.on_epoch_end()
         epochs.append([int(first[i][0, 0]) // 3 for i in range(4)])
     assert len({tuple(e) for e in epochs}) > 1  # drawn anew each epoch
-    endless = _multiworker._WorkerBatches(Endless(), seed=5)
+    endless = _worker_inputs.WorkerBatches(Endless(), seed=5)
     assert endless.num_batches is None and float(endless[2][0, 0]) == 2.0
+
+
+def test_the_barrier_and_the_gather_trace_once_per_strategy():
+    # A tf.function made at every call would trace at every call, and
+    # TensorFlow warns about retracing after five.
+    from kerasmulti import _multiworker
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    steps = (_multiworker._barrier_step, _worker_inputs._gather_step)
+    before = [step.experimental_get_tracing_count() for step in steps]
+    for value in range(6):
+        assert float(_multiworker._barrier_step(strategy)) == 2.0
+        gathered = _worker_inputs._gather_step(strategy, tf.constant(value, tf.int64))
+        assert gathered.numpy().tolist() == [value, value]
+    assert [step.experimental_get_tracing_count() for step in steps] == [count + 1 for count in before]

@@ -1,52 +1,48 @@
-"""kerasmulti launch: workers on free localhost ports, TF_CONFIG, first failure wins."""
+"""kerasmulti launch and launch(): local workers, --hosts, TF_CONFIG, SLURM, first failure wins."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import kerasmulti
-from kerasmulti import _launch
+from kerasmulti import _tf_config
 
 WORKERS = os.path.join(os.path.dirname(__file__), "workers")
 
 
-def _kerasmulti(*args, env=None, timeout=180):
-    environment = dict(os.environ)
+def _environment(**env):
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("SLURM")}
     for name in ("KERASMULTI_SIMULATE_DEVICES", "CUDA_VISIBLE_DEVICES", "TF_CONFIG"):
         environment.pop(name, None)
-    environment.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
+    return {**environment, "TF_CPP_MIN_LOG_LEVEL": "3", **env}
+
+
+def _kerasmulti(*args, env=None, timeout=180):
     return subprocess.run(
         [sys.executable, "-m", "kerasmulti._cli", "launch", *args],
-        capture_output=True, text=True, env=environment, timeout=timeout,
+        capture_output=True, text=True, env=_environment(**(env or {})), timeout=timeout,
     )
 
 
 def test_workers_get_their_tf_config_and_prefixed_output():
-    result = _kerasmulti("--workers", "3", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"), "a", "--b")
+    result = _kerasmulti("--workers", "3", os.path.join(WORKERS, "cluster_info.py"), "a", "--b")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[worker"))
-    gpus = ["0,1", "2,3", "4,5"]  # each worker its own 2
-    assert lines == [f"[worker {i}] index={i} workers=3 devices=2 gpus={gpus[i]} args=['a', '--b']" for i in range(3)]
+    assert lines == [f"[worker {i}] index={i} workers=3 devices=None gpus=None args=['a', '--b']" for i in range(3)]
 
 
-def test_devices_per_worker_splits_the_visible_gpus():
-    result = _kerasmulti("--workers", "2", "--devices-per-worker", "1", os.path.join(WORKERS, "cluster_info.py"),
-                         env={"CUDA_VISIBLE_DEVICES": "3,5"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "[worker 0] index=0 workers=2 devices=1 gpus=3 " in result.stdout
-    assert "[worker 1] index=1 workers=2 devices=1 gpus=5 " in result.stdout
-
-
-def test_devices_per_worker_beyond_the_visible_gpus_is_refused():
-    result = _kerasmulti("--workers", "2", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"),
-                         env={"CUDA_VISIBLE_DEVICES": "3,5"})
+def test_devices_per_worker_without_gpus_is_refused_before_any_worker_starts():
+    # A worker without GPUs is one replica whatever its devices: more would do nothing.
+    result = _kerasmulti("--workers", "2", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"))
     assert result.returncode == 2
-    assert "need 4 GPUs, but CUDA_VISIBLE_DEVICES makes 2 visible (3,5)" in result.stderr
-    assert "Received: devices_per_worker=2" in result.stderr
+    assert "start more workers instead (workers=4)" in result.stderr
+    assert "Received: devices_per_worker=2" in result.stderr and "index=" not in result.stdout
 
 
 def test_first_failure_stops_the_others_and_sets_the_exit_code():
@@ -70,10 +66,56 @@ def test_hosts_and_index_build_tf_config_for_this_machine():
 
 
 def test_an_existing_tf_config_is_used_as_it_is():
-    config = _launch.tf_config(["localhost:1", "localhost:2", "localhost:3"], 2)
+    config = _tf_config.tf_config(["localhost:1", "localhost:2", "localhost:3"], 2)
     result = _kerasmulti(os.path.join(WORKERS, "cluster_info.py"), env={"TF_CONFIG": config})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "index=2 workers=3" in result.stdout
+
+
+def _consecutive_free_ports():
+    """A port that is free with the next one: the ports of two SLURM tasks on one node."""
+    while True:
+        port = _tf_config.free_ports(1)[0]
+        with socket.socket() as probe:
+            try:
+                probe.bind(("localhost", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+@pytest.mark.slow
+def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
+    """Two tasks of `srun --ntasks=2 kerasmulti launch`, as SLURM starts them on one node."""
+    script = os.path.join(WORKERS, "multi_worker_resume.py")
+    local, slurm = tmp_path / "local", tmp_path / "slurm"
+    local.mkdir()
+    slurm.mkdir()
+    result = _kerasmulti("--workers", "2", script, str(local), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURMD_NODENAME": "localhost"}
+    port = str(_consecutive_free_ports())
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kerasmulti._cli", "launch", "--port", port, script, str(slurm)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=_environment(**step, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [task.communicate(timeout=600)[0] for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    assert [task.returncode for task in tasks] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "epoch 3 done" in outputs[0] and "4/4 - " not in outputs[1]  # worker 1 is not the chief
+    for index in range(2):
+        expected, got = np.load(local / f"final-{index}.npz"), np.load(slurm / f"final-{index}.npz")
+        for key in expected.files:
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    assert os.path.exists(slurm / "model-0.keras") and not os.path.exists(slurm / "model-1.keras")
 
 
 @pytest.mark.parametrize(
@@ -89,6 +131,8 @@ def test_an_existing_tf_config_is_used_as_it_is():
         (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
         (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
          "Drop --devices-per-worker. Received: devices_per_worker=2"),
+        ([], "needs to know the workers: pass --workers N"),
+        (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
     ],
 )
 def test_bad_cluster_requests_are_refused(args, message):
@@ -97,29 +141,33 @@ def test_bad_cluster_requests_are_refused(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
-def test_free_ports_are_distinct():
-    ports = _launch.free_ports(5)
-    assert len(set(ports)) == 5
-
-
 def test_the_notebook_launcher_refuses_once_tensorflow_ran():
-    # The test process has run TensorFlow (its devices are simulated).
+    import tensorflow as tf
+
+    tf.constant(1.0)  # TensorFlow runs here, whichever tests ran before
     with pytest.raises(RuntimeError, match="Restart the kernel.*Received: TensorFlow initialised=True"):
         kerasmulti.launch(print, workers=2)
 
 
 @pytest.mark.parametrize(
-    "function, workers, message",
+    "arguments, message",
     [
-        (print, 0, "Received: workers=0"),
-        (print, 1.5, "Received: workers=1.5"),
-        (print, 2, "Received: devices_per_worker=-1"),
-        ("train()", 2, r"not its result. Received: function='train\(\)'"),
+        ({"workers": 0}, "Received: workers=0"),
+        ({"workers": 1.5}, "Received: workers=1.5"),
+        ({"workers": "2"}, "Received: workers='2'"),
+        ({"devices_per_worker": -1}, "Received: devices_per_worker=-1"),
+        ({"devices_per_worker": True}, "Received: devices_per_worker=True"),
+        ({"function": "train()"}, r"not its result. Received: function='train\(\)'"),
+        ({"args": 2}, r"as a tuple or list, e.g. args=\(x,\), and the number of workers as workers=. Received: args=2"),
+        ({"args": "data.csv"}, "Received: args='data.csv'"),
+        ({"args": None}, "Received: args=None"),
+        ({"args": {"epochs": 2}}, "Received: args={'epochs': 2}"),
     ],
 )
-def test_the_notebook_launcher_refuses_bad_arguments(function, workers, message):
+def test_the_notebook_launcher_refuses_bad_arguments(arguments, message):
+    arguments = {"function": print, **arguments}
     with pytest.raises(kerasmulti.LaunchError, match=message):
-        kerasmulti.launch(function, workers=workers, devices_per_worker=-1 if "devices" in message else None)
+        kerasmulti.launch(**arguments)
 
 
 def _notebook_launch(mode):
@@ -175,14 +223,3 @@ def test_stopping_the_launcher_stops_its_workers():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # stopped and reaped by the launcher
-
-
-def test_an_ignored_hangup_stays_ignored_while_workers_run():
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
-    try:
-        with _launch._stopped_with_this_process():
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is _launch._terminated
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGHUP, previous)

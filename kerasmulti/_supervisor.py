@@ -1,0 +1,206 @@
+"""Supervising worker processes: prefixed output, first failure wins, nothing outlives the launcher.
+
+The launcher starts the workers of one cluster, prefixes every line they
+print with `[worker i]`, and ends all of them as soon as one fails, exiting
+with that worker's code: a hung cluster does not outlive its first failure,
+and stopping the launcher (SIGTERM, SIGHUP) stops its workers. It sleeps
+until a worker ends, waiting on each process's sentinel (a pidfd on Linux)
+with `multiprocessing.connection.wait`.
+
+Local ports are chosen free, but another process can bind one before its
+worker does; that worker then exits with `EXIT_PORT_TAKEN`, and the cluster
+is started again on other ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing import connection
+from typing import Callable
+
+from kerasmulti._cluster import EXIT_PORT_TAKEN
+from kerasmulti._tf_config import check_workers, gpus_per_worker, local_hosts, physical_gpus, worker_environment
+
+PORT_ATTEMPTS = 3
+
+
+def run_workers(command: list[str], workers: int, devices_per_worker: int | None = None, out=None) -> int:
+    """Runs `command` as `workers` local processes of one cluster; returns the exit code.
+
+    0 when every worker succeeded; otherwise the code of the first worker that
+    failed, after the others have been stopped.
+    """
+    check_workers(workers, devices_per_worker)
+    out = out or sys.stdout
+    gpus = gpus_per_worker(workers, devices_per_worker, physical_gpus() if devices_per_worker else 0)
+
+    def start(hosts, index):
+        env = {**os.environ, **worker_environment(hosts, index, gpus)}
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        return process, process.stdout
+
+    processes, failed = run_cluster(start, workers, out)
+    if failed is None:
+        return 0
+    code = exit_code(processes[failed].returncode)
+    out.write(f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others.\n")
+    return code
+
+
+def run_cluster(start: Callable, workers: int, out) -> tuple[list, int | None]:
+    """Starts `workers` workers on free localhost ports and waits until they end.
+
+    `start(hosts, index)` starts worker `index` of `hosts` and returns the
+    process (a `subprocess.Popen`, or an object with its methods and a
+    `sentinel`) and the stream of its output. Returns the processes and the
+    index of the first that failed, or None. When that worker found its
+    port taken, all start again on other ports, up to `PORT_ATTEMPTS` times.
+    """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        hosts = local_hosts(workers)
+        processes, streams, pumps = [], [], []
+        try:
+            for index in range(workers):
+                process, stream = start(hosts, index)
+                processes.append(process)
+                streams.append(stream)
+                pumps.append(_start_pump(stream, index, out))
+        except BaseException:
+            _stop(processes)  # a worker left alone would wait for its peers forever
+            raise
+        failed = supervise(processes, pumps)
+        for stream in streams:
+            stream.close()
+        if failed is None or processes[failed].returncode != EXIT_PORT_TAKEN or attempt == PORT_ATTEMPTS:
+            return processes, failed
+        out.write(
+            f"kerasmulti launch: another process took worker {failed}'s port ({hosts[failed]}) "
+            "before it started; starting the workers again on other ports.\n"
+        )
+
+
+def exit_code(returncode: int) -> int:
+    """A process's exit code as a shell reports it: 128 + N for one killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_one(command: list[str], env: dict) -> int:
+    """Runs one worker's `command` and returns its exit code; stopping this stops it."""
+    process = subprocess.Popen(command, env=env)
+    try:
+        with _stopped_with_this_process():
+            return process.wait()
+    finally:
+        _stop([process])
+
+
+def supervise(processes, pumps) -> int | None:
+    """Waits for all processes; on the first failure stops the rest. Returns its index or None."""
+    failed = None
+    try:
+        with _stopped_with_this_process():
+            failed = _first_failure(processes)
+    finally:
+        _stop(processes)
+        for pump in pumps:
+            pump.join(timeout=5)
+    return failed
+
+
+def _first_failure(processes) -> int | None:
+    with _sentinels(processes) as sentinels:
+        running = dict(zip(sentinels, range(len(processes))))
+        while running:
+            for ready in sorted(connection.wait(list(running)), key=running.get):
+                index = running.pop(ready)
+                if processes[index].wait() != 0:
+                    return index
+    return None
+
+
+@contextlib.contextmanager
+def _sentinels(processes):
+    """Inside: a file descriptor per process that becomes readable when it ends."""
+    opened = []
+    try:
+        yield [_sentinel(process, opened) for process in processes]
+    finally:
+        for descriptor in opened:
+            os.close(descriptor)
+
+
+def _sentinel(process, opened: list) -> int:
+    if hasattr(process, "sentinel"):  # a multiprocessing.Process has one
+        return process.sentinel
+    try:
+        descriptor = os.pidfd_open(process.pid)  # Linux 5.3 and later
+    except (AttributeError, OSError):
+        descriptor = _closed_at_exit(process)
+    opened.append(descriptor)
+    return descriptor
+
+
+def _closed_at_exit(process) -> int:
+    """Where there are no pidfds: a pipe that a thread waiting for `process` closes."""
+    read, write = os.pipe()
+
+    def wait():
+        process.wait()
+        os.close(write)
+
+    threading.Thread(target=wait, daemon=True).start()
+    return read
+
+
+def _stop(processes) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"{prefix}{line}")
+        out.flush()
+
+
+def _start_pump(stream, index: int, out) -> threading.Thread:
+    pump = threading.Thread(target=_pump, args=(stream, f"[worker {index}] ", out), daemon=True)
+    pump.start()
+    return pump
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # runs the `finally` that stops the workers
+
+
+@contextlib.contextmanager
+def _stopped_with_this_process():
+    """Inside: SIGTERM and SIGHUP end this process through Python, so its workers are stopped too.
+
+    By default they end it at once, leaving the workers running, each
+    waiting for its peers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    # Only where the signal would end this process: an ignored one (nohup)
+    # or one the program handles stays as it is.
+    previous = {s: signal.signal(s, _terminated) for s in signals if signal.getsignal(s) is signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,221 @@
+"""The `TF_CONFIG` each worker starts with: from free local ports, `--hosts`, or SLURM.
+
+`TF_CONFIG` tells each TensorFlow process the cluster and its own place in
+it. `kerasmulti launch --workers N` and `launch()` give N local workers free
+localhost ports; `--hosts` and `--index` describe one worker of a real
+cluster; under `srun`, TensorFlow's `SlurmClusterResolver` reads the step's
+nodes and tasks (one worker per task). Local workers can also be given their
+own GPUs (`devices_per_worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from kerasmulti._cluster import ENV_JOIN
+from kerasmulti._devices import is_positive_int
+
+SLURM_PORTS_PER_JOB = 8
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot be started: bad workers, devices or hosts.
+
+    Raised by `launch()` and by `kerasmulti launch` before any worker starts.
+    A `ValueError`, so `except ValueError` keeps working; the message says what
+    to change and ends with `Received: ...`.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    try:
+        kerasmulti.launch(print, workers=0)
+    except kerasmulti.LaunchError as error:
+        print(error)
+    ```
+    """
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on localhost (free when asked; bound later by the workers).
+
+    Another process can take one before its worker binds it; the launchers
+    then start the workers again on other ports (`_supervisor.run_cluster`).
+    """
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("localhost", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def local_hosts(n: int) -> list[str]:
+    """Addresses for n workers on this machine, on free ports."""
+    return [f"localhost:{port}" for port in free_ports(n)]
+
+
+def tf_config(hosts: list[str], index: int) -> str:
+    """The `TF_CONFIG` of worker `index` in a cluster of `hosts` ("host:port")."""
+    return json.dumps({"cluster": {"worker": list(hosts)}, "task": {"type": "worker", "index": index}})
+
+
+def parse_hosts(text: str, index: int | None) -> list[str]:
+    """Validates `--hosts host1:port,host2:port` and `--index i`."""
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    for host in hosts:
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(
+                f"--hosts takes host:port pairs separated by commas, e.g. "
+                f"'10.0.0.1:2222,10.0.0.2:2222'; '{host}' is not one. Received: hosts={text!r}"
+            )
+    if len(set(hosts)) != len(hosts):
+        raise LaunchError(f"--hosts lists the same worker twice. Received: hosts={text!r}")
+    if index is None or not 0 <= index < len(hosts):
+        raise LaunchError(
+            f"--index must say which of the {len(hosts)} hosts this machine is, "
+            f"0 to {len(hosts) - 1}. Received: index={index!r}"
+        )
+    return hosts
+
+
+def check_workers(workers, devices_per_worker=None) -> None:
+    """Refuses a `workers` or `devices_per_worker` that is not a positive int (None allowed for the latter)."""
+    if not is_positive_int(workers):
+        raise LaunchError(f"workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
+    if devices_per_worker is not None and not is_positive_int(devices_per_worker):
+        raise LaunchError(
+            "devices_per_worker must be a positive int, the GPUs each worker "
+            f"gets, or None. Received: devices_per_worker={devices_per_worker!r}"
+        )
+
+
+def physical_gpus(fork_safe: bool = False) -> int:
+    """How many GPUs TensorFlow finds here (of those `CUDA_VISIBLE_DEVICES` shows).
+
+    Finding one starts its driver, which a process forked afterwards cannot
+    use: with `fork_safe`, a child process looks instead (one TensorFlow
+    import, a few seconds).
+    """
+    if not fork_safe:
+        return len(tf.config.list_physical_devices("GPU"))
+    code = "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    return int(result.stdout.split()[-1])
+
+
+def gpus_per_worker(workers: int, devices_per_worker: int | None, gpus: int) -> list[str] | None:
+    """Each local worker's `CUDA_VISIBLE_DEVICES`: its own K of the `gpus` GPUs here.
+
+    Worker i gets the i-th K of the GPUs already visible. None leaves the
+    workers' devices alone: no `devices_per_worker`, or 1 without GPUs (on
+    the CPU a worker is one replica anyway).
+    """
+    if devices_per_worker is None or (devices_per_worker == 1 and gpus == 0):
+        return None
+    needed = workers * devices_per_worker
+    if gpus == 0:
+        raise LaunchError(
+            "devices_per_worker gives each worker GPUs of its own, but this machine has "
+            "none, and without GPUs TensorFlow's MultiWorkerMirroredStrategy trains one "
+            "replica per worker. For more replicas start more workers instead "
+            f"(workers={needed}), or drop devices_per_worker. "
+            f"Received: devices_per_worker={devices_per_worker}"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",")[:gpus] if visible else [str(i) for i in range(gpus)]
+    if len(ids) < needed:
+        has = f"CUDA_VISIBLE_DEVICES makes {len(ids)} visible ({visible})" if visible else f"this machine has {gpus}"
+        raise LaunchError(
+            f"{workers} workers with {devices_per_worker} GPUs each need {needed} GPUs, "
+            f"but {has}. Lower workers or devices_per_worker, or make more GPUs visible. "
+            f"Received: devices_per_worker={devices_per_worker}"
+        )
+    k = devices_per_worker
+    return [",".join(ids[i * k:(i + 1) * k]) for i in range(workers)]
+
+
+def worker_environment(hosts: list[str], index: int, gpus: list[str] | None = None) -> dict:
+    """What worker `index` of a local cluster adds to its environment.
+
+    `TF_CONFIG`, `KERASMULTI_JOIN=1` (it joins the cluster at `import
+    kerasmulti`) and, with `gpus` (from `gpus_per_worker`), its GPUs.
+    """
+    env = {"TF_CONFIG": tf_config(hosts, index), ENV_JOIN: "1"}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+    return env
+
+
+def in_slurm_step() -> bool:
+    """Whether this process is a task of a SLURM job step (started by `srun`)."""
+    return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def slurm_port() -> int:
+    """The first port of this SLURM job's workers on each of its nodes.
+
+    Jobs that share a node must not share ports, so each job takes
+    `SLURM_PORTS_PER_JOB` of its own from its id (its workers per node, at
+    most), below Linux's ephemeral range (32768 up), from which outgoing
+    connections draw ports.
+    """
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return 15000 + SLURM_PORTS_PER_JOB * (int(job) % 2000 if job.isdigit() else 0)
+
+
+def slurm_tf_config(port: int | None = None) -> str:
+    """The `TF_CONFIG` of this SLURM task, one worker per task of the job step.
+
+    TensorFlow's `SlurmClusterResolver` reads the step's nodes and its tasks
+    per node; the workers of a node listen on `port`, `port + 1`, ...
+    (default `slurm_port()`). This task is the worker at its node's address
+    for its local id.
+    """
+    port = slurm_port() if port is None else port
+    try:
+        tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
+        # The resolver pairs each task of a node with a slot of GPUs and drops
+        # the tasks beyond the node's GPUs (it zips them). One slot per task
+        # keeps every task; each uses the GPUs srun gave it (--gpus-per-task).
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=port, gpus_per_node=tasks, gpus_per_task=1, auto_set_gpu=False
+        )
+        hosts = resolver.cluster_spec().job_tasks("worker")
+    except (RuntimeError, ValueError) as error:
+        raise LaunchError(
+            f"SLURM's environment does not describe this job step ({error}); run "
+            "`kerasmulti launch` under srun, one task per worker. Received: "
+            f"SLURM_STEP_NODELIST={os.environ.get('SLURM_STEP_NODELIST')!r}"
+        ) from None
+    node, local = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_LOCALID")
+    if node is None or local is None:
+        return tf_config(hosts, resolver.task_id)
+    # The resolver takes the nodes in name order (node10 before node9) and
+    # gives ranks in that order, which is not always where srun placed them
+    # (--distribution=cyclic, or names of several lengths): a task's place
+    # is its node's address for its local id.
+    address = f"{node}:{port + int(local)}"
+    if address not in hosts:
+        raise LaunchError(
+            f"This SLURM task runs on {node}, which is not among the job step's nodes "
+            f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}) as SLURM_STEP_NODELIST "
+            "names them. Run `kerasmulti launch` under srun, in the job step it names. "
+            f"Received: SLURMD_NODENAME={node!r}"
+        )
+    return tf_config(hosts, hosts.index(address))

@@ -1,0 +1,223 @@
+"""What each worker reads: its part of every global batch, in an order all workers share.
+
+Every worker passes `fit` the same global data and keeps its part of each
+batch, so every worker must draw the same order. Keras draws it with each
+process's own random state; here it comes from a seed the chief chooses:
+
+- Arrays become a dataset whose order in each epoch is a function of the
+  seed and the epoch's number: the same on every worker, a new one each
+  epoch (and each `fit` call), and the same again in a run resumed there.
+- A `PyDataset`'s batches are copied (`WorkerBatches`), in an order drawn
+  from the seed.
+- A `tf.data` pipeline is split by rows, not by file.
+- Data that differs per worker comes as a dataset function, padded with
+  empty batches to the longest worker's count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src import tree
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+
+from kerasmulti import _split
+
+
+def fit_arguments(strategy, arguments: dict, seed: int) -> dict:
+    """`fit`'s bound arguments with every worker's input in the order `seed` draws.
+
+    Args:
+        strategy: The cluster's `MultiWorkerMirroredStrategy`.
+        arguments: `keras.Model.fit`'s arguments, all by name.
+        seed: Shared by every worker; a new one for each `fit` call.
+    """
+    x = arguments["x"]
+    if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        arguments["x"] = _per_worker_dataset(strategy, x)
+    elif isinstance(x, keras.utils.PyDataset):
+        arguments["x"] = WorkerBatches(x, seed if arguments["shuffle"] else None)
+        arguments["shuffle"] = False
+    elif arguments["shuffle"] and array_data_adapter.can_convert_arrays((x, arguments["y"])):
+        arguments = _shuffled(arguments, seed)
+    if arguments.get("validation_data") is not None:
+        arguments["validation_data"] = worker_input(arguments["validation_data"])
+    arguments["x"] = worker_input(arguments["x"])
+    return arguments
+
+
+def _shuffled(kwargs, seed):
+    """`fit`'s arrays as a dataset whose order is drawn from `seed` and the epoch's number."""
+    # Keras shuffles arrays with an unseeded op: each worker would draw
+    # its own order and keep its part of it, seeing some samples twice
+    # and others never. Here every epoch's order is a function of the
+    # chief's seed and the epoch's number: the same on every worker, a
+    # new one each epoch, and the same again in a run resumed at that
+    # epoch (a reshuffling dataset would start over from its first order).
+    arrays = (kwargs.pop("x"), kwargs.pop("y"), kwargs.pop("sample_weight", None))
+    batch_size = kwargs.pop("batch_size")
+    split = kwargs.pop("validation_split", 0.0)
+    if split and kwargs.get("validation_data") is None:
+        arrays, validation = array_slicing.train_validation_split(arrays, split)
+        kwargs["validation_data"] = validation
+    rows = _split.batch_size(arrays[0])
+    # Lists are one tensor to tf.data, several inputs to Keras.
+    data = tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
+    epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def order(_):
+        return tf.random.experimental.stateless_shuffle(
+            tf.range(rows, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
+        )
+
+    rows_in_order = tf.data.Dataset.range(1).map(order).flat_map(tf.data.Dataset.from_tensor_slices)
+    tensors = tree.map_structure(tf.convert_to_tensor, data)
+    dataset = rows_in_order.batch(batch_size or 32).map(
+        lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
+    ).prefetch(2)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # no teardown stall (see _sources.batched)
+    # The epoch is read when each epoch's order is drawn.
+    options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
+    kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
+    kwargs["shuffle"] = False
+    kwargs.update(x=dataset.with_options(options), y=None, batch_size=None)
+    return kwargs
+
+
+def _per_worker_dataset(strategy, dataset_fn):
+    """This worker's dataset from `dataset_fn`, padded with empty batches to the longest worker's count."""
+    context = tf.distribute.InputContext(
+        num_input_pipelines=strategy.extended._num_workers,
+        input_pipeline_id=strategy.extended._id_in_cluster,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
+    local = _batches(dataset_fn(context))
+    counts = _gather_step(strategy, tf.constant(local, tf.int64))
+    steps = int(tf.reduce_max(counts))
+
+    def padded(context):
+        dataset = dataset_fn(context)
+        missing = steps - _batches(dataset)
+        if missing == 0:
+            return dataset
+        empty = tree.map_structure(  # a dimension of any length (padded_batch) gets 0
+            lambda spec: tf.zeros([0, *(d or 0 for d in spec.shape[1:])], spec.dtype), dataset.element_spec
+        )
+        return dataset.concatenate(tf.data.Dataset.from_tensors(empty).repeat(missing))
+
+    return strategy.distribute_datasets_from_function(padded)
+
+
+@tf.autograph.experimental.do_not_convert
+def _gather_one(strategy, value):
+    return strategy.gather(strategy.run(lambda: tf.reshape(value, [1])), axis=0)
+
+
+# Made once, traced once per strategy: a tf.function made at every call would
+# retrace every time, and TensorFlow warns about that after five.
+_gather_step = tf.function(_gather_one)
+
+
+def _batches(dataset) -> int:
+    count = int(dataset.cardinality())
+    if count < 0:
+        raise ValueError(
+            "A per-worker dataset function must return a dataset of known, "
+            "finite length, so that workers with fewer batches can be padded "
+            "to the others' count. Give it one with "
+            "`dataset.apply(tf.data.experimental.assert_cardinality(n))`, or "
+            "drop `.repeat()`. Received: cardinality="
+            f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}"
+        )
+    return count
+
+
+def shuffle_seed() -> int:
+    """The seed the chief proposes for shuffling arrays.
+
+    Reproducible when the program seeded Python's `random` (as
+    `keras.utils.set_random_seed` does), else random; read from the state
+    without drawing from it, so the user's random streams stay as in one
+    process.
+    """
+    digest = hashlib.sha256(repr(random.getstate()).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (2**31 - 1)
+
+
+def worker_input(data):
+    """An input every worker reads whole, keeping its part of each batch.
+
+    A PyDataset's batches are copied (see `WorkerBatches`). TensorFlow's
+    default splits a tf.data pipeline that reads files by file, so each
+    worker would read other files: other batches than one process, and
+    predictions out of order; it is split by rows instead, unless the user
+    chose a policy.
+    """
+    if isinstance(data, keras.utils.PyDataset) and not isinstance(data, WorkerBatches):
+        return WorkerBatches(data)
+    if not isinstance(data, tf.data.Dataset):
+        return data
+    if data.options().experimental_distribute.auto_shard_policy != tf.data.experimental.AutoShardPolicy.AUTO:
+        return data
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return data.with_options(options)
+
+
+class _EpochOrder(keras.callbacks.Callback):
+    """Sets the epoch that an input's order is drawn for, as each epoch begins."""
+
+    def __init__(self, epoch: tf.Variable):
+        super().__init__()
+        self._epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch.assign(epoch)
+
+
+class WorkerBatches(keras.utils.PyDataset):
+    """A PyDataset's batches, copied, in an order every worker draws alike.
+
+    Keras shuffles a PyDataset with each process's own `random`: each worker
+    would take its part of other batches, some samples twice, others never.
+    With `seed`, the order is drawn from it, anew each epoch; without, it is
+    the dataset's own. Batches are copies: across workers TensorFlow 2.21
+    takes a generator's arrays without copying and may write into them,
+    which corrupted the user's arrays behind the batches (labels of the last
+    batch of an epoch replaced by other numbers, measured).
+    """
+
+    def __init__(self, data, seed=None):
+        super().__init__(
+            workers=getattr(data, "workers", 1),
+            use_multiprocessing=getattr(data, "use_multiprocessing", False),
+            max_queue_size=getattr(data, "max_queue_size", 10),
+        )
+        self.data, self.seed, self.epoch = data, seed, 0
+        self.order = self._draw()
+
+    def _draw(self):
+        if self.seed is None or self.data.num_batches is None:  # no order to draw from an endless one
+            return None
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.data.num_batches)
+
+    @property
+    def num_batches(self):
+        return self.data.num_batches
+
+    def __getitem__(self, index):
+        batch = self.data[index if self.order is None else int(self.order[index])]
+        return tree.map_structure(lambda a: np.array(a) if isinstance(a, np.ndarray) else a, batch)
+
+    def on_epoch_begin(self):
+        self.data.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.data.on_epoch_end()
+        self.epoch += 1
+        self.order = self._draw()

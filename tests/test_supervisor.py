@@ -1,0 +1,89 @@
+"""Supervising workers: woken by the first to end, signals, starting again when a port was taken."""
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kerasmulti import _cluster, _supervisor
+
+
+def _python(code):
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "waiting-thread"])
+def test_the_first_failure_wakes_the_supervisor_while_the_others_run(monkeypatch, pidfd):
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)  # as on macOS
+    processes = [_python("import time; time.sleep(60)"), _python("import sys, time; time.sleep(0.5); sys.exit(3)")]
+    started = time.monotonic()
+    try:
+        assert _supervisor._first_failure(processes) == 1
+        assert time.monotonic() - started < 30
+        assert processes[0].poll() is None and processes[1].returncode == 3
+    finally:
+        _supervisor._stop(processes)
+    assert processes[0].returncode == -signal.SIGTERM
+
+
+def test_workers_that_all_succeed_are_no_failure():
+    processes = [_python("pass"), _python("import time; time.sleep(0.5)")]
+    assert _supervisor._first_failure(processes) is None
+    assert [p.returncode for p in processes] == [0, 0]
+
+
+def test_an_exit_code_reads_as_a_shell_reports_it():
+    assert _supervisor.exit_code(3) == 3
+    assert _supervisor.exit_code(-signal.SIGKILL) == 128 + 9
+
+
+def test_an_ignored_hangup_stays_ignored_while_workers_run():
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with _supervisor._stopped_with_this_process():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is _supervisor._terminated
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+JOIN = "import kerasmulti; print('joined', kerasmulti._cluster.strategy() is not None, flush=True)"
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_its_worker_started_starts_the_workers_again_elsewhere(monkeypatch):
+    taken = socket.socket()
+    taken.bind(("localhost", 0))  # another process's, between choosing the ports and binding them
+    choices, free = [], _supervisor.local_hosts
+
+    def local_hosts(n):
+        hosts = free(n)
+        if not choices:
+            hosts[1] = f"localhost:{taken.getsockname()[1]}"
+        choices.append(hosts)
+        return hosts
+
+    monkeypatch.setattr(_supervisor, "local_hosts", local_hosts)
+    command = [sys.executable, "-c", JOIN]
+    try:
+        # The control: without another attempt the launch fails on the taken port.
+        monkeypatch.setattr(_supervisor, "PORT_ATTEMPTS", 1)
+        out = io.StringIO()
+        assert _supervisor.run_workers(command, 2, out=out) == _cluster.EXIT_PORT_TAKEN
+        assert f"cannot listen on its address of TF_CONFIG, {choices[0][1]}: another process holds the port" in out.getvalue()
+        choices.clear()
+        monkeypatch.setattr(_supervisor, "PORT_ATTEMPTS", 3)
+        out = io.StringIO()
+        assert _supervisor.run_workers(command, 2, out=out) == 0, out.getvalue()[-3000:]
+    finally:
+        taken.close()
+    assert len(choices) == 2 and choices[1][1] != choices[0][1]
+    assert f"another process took worker 1's port ({choices[0][1]}) before it started" in out.getvalue()
+    assert "[worker 0] joined True" in out.getvalue() and "[worker 1] joined True" in out.getvalue()
