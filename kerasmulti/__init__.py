@@ -6,8 +6,9 @@ Public API (everything else is private):
 - `launch(function, workers=N)`: run a function as N workers of one cluster, from a notebook;
   inside it (or in a script started by `kerasmulti launch`), `parallelize` trains across workers.
 - `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
-- `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model;
-  `placement_summary(model)`, `remap_devices(model, mapping)`.
+- `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model
+  in `.keras` files that plain Keras loads too; `placement_summary(model)`,
+  `remap_devices(model, mapping)`, `strip_placement(model)` (the model without placement).
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -47,12 +48,16 @@ from kerasmulti._callbacks import ParallelModelCheckpoint  # noqa: E402
 from kerasmulti._inference import parallel_predict  # noqa: E402
 from kerasmulti._launch import LaunchError  # noqa: E402
 from kerasmulti._launch import launch  # noqa: E402
-from kerasmulti._placement import OnDevice  # noqa: E402
-from kerasmulti._placement import device_scope  # noqa: E402
+from kerasmulti._on_device import OnDevice  # noqa: E402
+from kerasmulti._device_scope import device_scope  # noqa: E402
 from kerasmulti._placement import on_device  # noqa: E402
 from kerasmulti._placement import remap_devices  # noqa: E402
+from kerasmulti import _portable  # noqa: E402
+from kerasmulti._portable import strip_placement  # noqa: E402
 from kerasmulti._summary import PlacementSummary  # noqa: E402
 from kerasmulti._summary import placement_summary  # noqa: E402
+
+_portable.install()  # model.save of a placed model writes a file plain Keras loads
 
 __version__ = "0.1.0"
 
@@ -76,5 +81,6 @@ __all__ = [
     "placement_summary",
     "remap_devices",
     "simulate_devices",
+    "strip_placement",
     "unwrap",
 ]
