@@ -6,8 +6,9 @@ Public API (everything else is private):
 - `launch(function, workers=N)`: run a function as N workers of one cluster, from a notebook;
   inside it (or in a script started by `kerasmulti launch`), `parallelize` trains across workers.
 - `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
-- `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model;
-  `placement_summary(model)`, `remap_devices(model, mapping)`.
+- `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model
+  in `.keras` files that plain Keras loads too; `placement_summary(model)`,
+  `remap_devices(model, mapping)`, `strip_placement(model)` (the model without placement).
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -49,6 +50,7 @@ __all__ = [
     "placement_summary",
     "remap_devices",
     "simulate_devices",
+    "strip_placement",
     "unwrap",
 ]
 
@@ -62,7 +64,7 @@ def _import_public() -> None:
     global ClusterError, DeviceError, LaunchError, OnDevice, ParallelBackupAndRestore, ParallelModel
     global ParallelModelCheckpoint, PlacementSummary, available_devices, device_scope, initialize
     global is_chief, launch, on_device, parallel_predict, parallelize, placement_summary
-    global remap_devices, simulate_devices, unwrap
+    global remap_devices, simulate_devices, strip_placement, unwrap
     from kerasmulti._devices import DeviceError, available_devices, simulate_devices
     from kerasmulti._devices import _simulate_from_environment
 
@@ -80,8 +82,13 @@ def _import_public() -> None:
     from kerasmulti._inference import parallel_predict
     from kerasmulti._launch import launch
     from kerasmulti._tf_config import LaunchError
-    from kerasmulti._placement import OnDevice, device_scope, on_device, remap_devices
+    from kerasmulti._on_device import OnDevice
+    from kerasmulti._device_scope import device_scope
+    from kerasmulti._placement import on_device, remap_devices
+    from kerasmulti._portable import install, strip_placement
     from kerasmulti._summary import PlacementSummary, placement_summary
+
+    install()  # model.save of a placed model writes a file plain Keras loads
 
 
 # The command parses its arguments first and then calls `_import_public`:

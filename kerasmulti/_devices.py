@@ -271,6 +271,11 @@ def _known_name(name, known: list[str], caller: str, received: str) -> str:
 
 def resolve_device(device: str, caller: str) -> str:
     """One device name, canonical; a `DeviceError` listing the known ones if it does not exist."""
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{caller} takes a device name as a string, such as '/gpu:1'. "
+            f"Received: device={device!r}"
+        )
     known = known_devices()
     return _known_name(device, known, caller, f"device={device!r}")
 

@@ -7,7 +7,7 @@ import math
 import keras
 from keras.src.ops.function import make_node_key
 
-from kerasmulti._placement import OnDevice
+from kerasmulti._on_device import OnDevice
 
 
 class PlacementSummary:

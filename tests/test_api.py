@@ -24,6 +24,7 @@ PUBLIC = [
     "placement_summary",
     "remap_devices",
     "simulate_devices",
+    "strip_placement",
     "unwrap",
 ]
 

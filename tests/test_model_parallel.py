@@ -300,6 +300,27 @@ def test_device_names_are_checked_like_parallelize():
         kerasmulti.placement_summary(keras.layers.Dense(1))
 
 
+def test_arguments_of_the_wrong_type_are_refused():
+    with pytest.raises(TypeError, match=r"device_scope\(\) takes a device name as a string.*Received: device=1$"):
+        with kerasmulti.device_scope(1):
+            pass
+    with pytest.raises(TypeError, match=r"on_device\(\) takes a device name.*Received: device=None$"):
+        kerasmulti.on_device(keras.layers.Dense(2), None)
+    model = _towers()
+    with pytest.raises(TypeError, match=r"keras.Model; pass the model that holds them\. Received: model=Dense$"):
+        kerasmulti.remap_devices(keras.layers.Dense(2), {"/cpu:1": "/cpu:0"})
+    with pytest.raises(TypeError, match=r"takes a dict from old device names.*Received: mapping=\[\('/cpu:1', '/cpu:0'\)\]$"):
+        kerasmulti.remap_devices(model, [("/cpu:1", "/cpu:0")])
+    with pytest.raises(TypeError, match=r"remap_devices\(\) takes device names as strings.*Received: device=1$"):
+        kerasmulti.remap_devices(model, {1: "/cpu:0"})
+    with pytest.raises(TypeError, match=r"remap_devices\(\) takes a device name as a string.*Received: device=0$"):
+        kerasmulti.remap_devices(model, {"/cpu:1": 0})
+    for old in ("gpu one", "/gpu", ""):
+        with pytest.raises(ValueError, match=rf"not a TensorFlow device name.*Received: device='{old}'$"):
+            kerasmulti.remap_devices(model, {old: "/cpu:0"})
+    assert [w.device for w in model.layers if isinstance(w, kerasmulti.OnDevice)] == ["/device:CPU:1", "/device:CPU:2"]
+
+
 def test_scopes_nest_and_end_cleanly():
     inputs = keras.Input((3,))
     with kerasmulti.device_scope("/cpu:1"):

@@ -1,0 +1,132 @@
+"""`device_scope`: every layer called inside the block runs on one device.
+
+Keras offers no hook on a layer call, so while at least one scope is open
+(in any thread) `keras.layers.Layer.__call__` and `keras.Sequential.build`
+are replaced by versions that wrap the layer in an `OnDevice` layer for the
+innermost scope of the calling thread; the last scope to close puts Keras'
+own back. Only symbolic calls are wrapped (a model being built), and none
+while Keras rebuilds a model from its config, whose placement was saved
+with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+
+import keras
+
+from kerasmulti import _scopes
+from kerasmulti._devices import resolve_device
+from kerasmulti._on_device import OnDevice
+
+_original_call = keras.layers.Layer.__call__
+_original_sequential_build = keras.Sequential.build
+_installed = 0
+_install_lock = threading.Lock()
+_DESERIALISING = frozenset({"from_config", "functional_from_config", "deserialize_keras_object"})
+
+
+def _is_symbolic(args, kwargs) -> bool:
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
+
+
+def _deserialising() -> bool:
+    """Whether Keras is rebuilding a model from its config (loading, cloning).
+
+    A model loaded inside a scope keeps the placement it was saved with:
+    wrapping its layers again would rename them, and its weights would no
+    longer match.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _DESERIALISING and f"{os.sep}keras{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _scoped_call(self, *args, **kwargs):
+    device = _scopes.innermost()
+    if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not _deserialising():
+        return OnDevice(self, device, _validated=True)(*args, **kwargs)
+    return _original_call(self, *args, **kwargs)
+
+
+def _scoped_sequential_build(self, input_shape=None):
+    """A Sequential built inside a scope places its layers, in its own layer list.
+
+    Placed only in the graph it builds, they would run placed but be saved,
+    summarised and cloned without their placement.
+    """
+    device = _scopes.innermost()
+    if device and not _deserialising():
+        self._layers = [
+            layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else OnDevice(layer, device, _validated=True)
+            for layer in self._layers
+        ]
+    with _scopes.suspended():
+        return _original_sequential_build(self, input_shape)
+
+
+@contextlib.contextmanager
+def _layer_calls_placed():
+    global _installed
+    with _install_lock:
+        if _installed == 0:
+            keras.layers.Layer.__call__ = _scoped_call
+            keras.Sequential.build = _scoped_sequential_build
+        _installed += 1
+    try:
+        yield
+    finally:
+        with _install_lock:
+            _installed -= 1
+            if _installed == 0:
+                keras.layers.Layer.__call__ = _original_call
+                keras.Sequential.build = _original_sequential_build
+
+
+@contextlib.contextmanager
+def device_scope(device: str):
+    """Places every layer called inside the block on `device`, at run time.
+
+    Use it while building a functional model: each layer call inside the
+    `with` block becomes an `OnDevice` layer, so the model runs that call on
+    `device` whenever it runs (fit, evaluate, predict, a plain call, inside
+    `tf.function`). A layer called under two scopes keeps one set of weights
+    and runs each call on its own scope's device. A `Sequential` model built
+    inside the block places its layers in its own layer list. Scopes nest;
+    the innermost wins. Device names are checked like `parallelize`'s.
+
+    Args:
+        device: A TensorFlow device name, such as `"/gpu:1"` (or a simulated
+            `"/cpu:1"`).
+
+    Raises:
+        TypeError: If `device` is not a string.
+        DeviceError: If the device does not exist on this machine.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    first, second = kerasmulti.available_devices()[:2]  # "/gpu:0", "/gpu:1" on GPUs
+    tweet_a, tweet_b = keras.Input((280, 256)), keras.Input((280, 256))
+    shared_lstm = keras.layers.LSTM(64)
+    with kerasmulti.device_scope(first):
+        encoded_a = shared_lstm(tweet_a)
+    with kerasmulti.device_scope(second):
+        encoded_b = shared_lstm(tweet_b)
+    merged = keras.layers.concatenate([encoded_a, encoded_b], axis=-1)
+    model = keras.Model([tweet_a, tweet_b], keras.layers.Dense(1)(merged))
+    ```
+    """
+    name = resolve_device(device, "device_scope()")
+    with _layer_calls_placed(), _scopes.opened(name):
+        yield name
