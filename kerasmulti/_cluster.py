@@ -224,9 +224,7 @@ def join_timeout() -> float:
 
 
 def _join(timeout_s: float):
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
+    from kerasmulti._private import coordination_config_pb2, eager_context as context, multi_worker_util
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()

@@ -164,7 +164,7 @@ class _Forked:
 def _tensorflow_started() -> bool:
     if "tensorflow" not in sys.modules:
         return False
-    from tensorflow.python.eager import context
+    from kerasmulti._private import eager_context as context
 
     # Finding a GPU starts its driver, which a forked process cannot use.
     started = context.context()

@@ -38,8 +38,7 @@ import tempfile
 
 import keras
 import tensorflow as tf
-from keras.src import tree
-from keras.src.trainers.data_adapters import data_adapter_utils
+from keras import tree
 
 from kerasmulti import _cluster, _feeding, _losses, _worker_inputs
 from kerasmulti._parallel import ParallelModel
@@ -146,7 +145,7 @@ class WorkerModel(ParallelModel):
         return self._template(inputs, training=training)
 
     def train_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable = self.trainable_weights
         with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
             y_pred = self(x, training=True)
@@ -158,7 +157,7 @@ class WorkerModel(ParallelModel):
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     def test_step(self, data):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         self._replica_loss(x, y, y_pred, sample_weight, training=False)
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))

@@ -24,10 +24,9 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common import global_state
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 from kerasmulti import _scopes
+from kerasmulti._private import get_keras_mask, global_state, set_keras_mask
 from kerasmulti._devices import _canonical, known_devices
 
 _warned: set[str] = set()

@@ -29,9 +29,9 @@ import weakref
 import zipfile
 
 import keras
-from keras.src.saving import saving_lib
 
 from kerasmulti import _scopes
+from kerasmulti._private import saving_lib
 from kerasmulti._on_device import OnDevice
 from kerasmulti._parallel import unwrap
 from kerasmulti._rebuild import REBUILDABLE, own_calls, rebuilt

@@ -9,9 +9,10 @@ signature kerasmulti calls it with, so a Keras or TensorFlow release that
 moves one fails that test by name instead of changing behaviour silently.
 The versions these were read from are the ones `setup.cfg` pins.
 
-Patches of Keras objects (the loss reduction in `_losses.py`, the layer call
-in model placement, BatchNormalization in `_replicas.py`) live with the
-feature they serve; what they patch is imported from here.
+Patches of Keras objects (the loss reduction in `_losses.py`, saving in
+`_portable.py`, the layer call in `_device_scope.py`, BatchNormalization in
+`_replicas.py`) live with the feature they serve; what they patch is
+imported from here or is a public class.
 """
 
 # Builds a model's variables (and Keras' compiled loss) symbolically, as
@@ -40,18 +41,48 @@ from keras.src.trainers.trainer import model_supports_jit
 # with tf.data autotuning off (`_feeding.py`); `fit` builds it only internally.
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 
+# Keras' shared-object bookkeeping of one save or load (OnDevice writes a
+# layer wrapped several times once) also lives in `global_state`.
+
+# Keras' saving entry points: `model.save` / `load_model` / `load_weights`
+# all go through them, so a placed model is written as a plain one there
+# (`_portable.py`); Keras has no public hook around saving.
+from keras.src.saving import saving_lib
+
+# A functional model's graph, read node by node (`_rebuild.py`,
+# `_summary.py`): Keras exposes no public node API; the key says whether a
+# layer's call belongs to this model.
+from keras.src.models.functional import Functional
+from keras.src.ops.function import make_node_key
+
+# Joining a cluster with a deadline (`_cluster._join`): the coordination
+# service is what MultiWorkerMirroredStrategy configures itself, but without
+# `cluster_register_timeout_in_ms` a missing worker blocks for an hour.
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+from tensorflow.python.distribute import multi_worker_util
+
+# TensorFlow's runtime context: whether it started (a forked launch cannot use
+# it then) and its coordination service. No public name tells either.
+from tensorflow.python.eager import context as eager_context
+
 # Whether a GradientTape is recording: a user's tape cannot see replicas that
 # run on threads of their own. TensorFlow has no public way to ask.
 from tensorflow.python.eager import record
 
 __all__ = [
+    "Functional",
     "array_data_adapter",
     "array_slicing",
     "compute_output_spec",
+    "coordination_config_pb2",
+    "eager_context",
     "get_keras_mask",
     "global_state",
     "loss_module",
+    "make_node_key",
     "model_supports_jit",
+    "multi_worker_util",
     "record",
+    "saving_lib",
     "set_keras_mask",
 ]

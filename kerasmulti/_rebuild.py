@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 import keras
-from keras.src.models.functional import Functional
-from keras.src.ops.function import make_node_key
+
+from kerasmulti._private import Functional, make_node_key
 
 # Only these classes are rebuilt: a subclass would lose its own methods, and
 # a subclassed model builds its graph in its own code.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import keras
-from keras.src.ops.function import make_node_key
 
 from kerasmulti._on_device import OnDevice
+from kerasmulti._private import make_node_key
 
 
 class PlacementSummary:

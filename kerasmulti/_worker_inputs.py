@@ -22,10 +22,10 @@ import random
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import tree
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing, data_adapter_utils
+from keras import tree
 
 from kerasmulti import _split
+from kerasmulti._private import array_data_adapter, array_slicing
 
 
 def fit_arguments(strategy, arguments: dict, seed: int) -> dict:
@@ -66,7 +66,7 @@ def _shuffled(kwargs, seed):
         kwargs["validation_data"] = validation
     rows = _split.batch_size(arrays[0])
     # Lists are one tensor to tf.data, several inputs to Keras.
-    data = tree.lists_to_tuples(data_adapter_utils.pack_x_y_sample_weight(*arrays))
+    data = tree.lists_to_tuples(keras.utils.pack_x_y_sample_weight(*arrays))
     epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
 
     def order(_):

@@ -27,10 +27,28 @@ SIGNATURES = {
     "array_data_adapter.ArrayDataAdapter": ["x", "y", "sample_weight", "batch_size", "steps", "shuffle", "class_weight"],
     "array_slicing.train_validation_split": ["arrays", "validation_split"],
     "record.could_possibly_record": [],
+    "saving_lib.save_model": ["model", "filepath", "weights_format", "zipped"],
+    "saving_lib.load_model": ["filepath", "custom_objects", "compile", "safe_mode"],
+    "saving_lib.load_weights_only": ["model", "filepath", "skip_mismatch"],
+    "make_node_key": ["op", "node_index"],
+    "multi_worker_util.coordination_leader": ["cluster_spec"],
+    "eager_context.context": [],
+    "Functional": [],
+    "coordination_config_pb2.CoordinatedJob": [],
 }
 
 
 def _resolve(name):
+    from kerasmulti import _portable
+
+    # kerasmulti replaces Keras' saving functions at import: check Keras' own.
+    originals = {
+        "saving_lib.save_model": _portable._original_save,
+        "saving_lib.load_model": _portable._original_load,
+        "saving_lib.load_weights_only": _portable._original_load_weights,
+    }
+    if name in originals:
+        return originals[name]
     value = _private
     for part in name.split("."):
         value = getattr(value, part)
@@ -46,6 +64,8 @@ def test_every_private_name_is_listed():
 def test_private_name_keeps_its_signature(name):
     target = _resolve(name)
     assert callable(target), f"{name} is no longer callable"
+    if not SIGNATURES[name]:
+        return
     parameters = list(inspect.signature(target).parameters)
     for expected in SIGNATURES[name]:
         assert expected in parameters, f"{name} lost its parameter {expected!r}: now {parameters}"
@@ -72,3 +92,42 @@ def test_private_names_still_behave_as_used():
     spec = _private.compute_output_spec(model, keras.KerasTensor((None, 3)), training=False)
     assert tuple(spec.shape) == (None, 2)
     assert _private.array_data_adapter.can_convert_arrays([np.ones(3)])
+
+
+def test_private_tensorflow_runtime_keeps_the_attributes_used():
+    """The launcher's started-or-not test and the join's coordination settings."""
+    context = _private.eager_context.context()
+    for attribute in ("_initialized", "_physical_devices", "coordination_service"):
+        assert hasattr(context, attribute), f"TensorFlow's context lost {attribute}"
+    parameters = inspect.signature(context.configure_coordination_service).parameters
+    for name in ("service_type", "service_leader", "coordinated_jobs", "cluster_register_timeout_in_ms"):
+        assert name in parameters, f"configure_coordination_service lost {name!r}"
+    job = _private.coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2)
+    assert (job.name, job.num_tasks) == ("worker", 2)
+    assert issubclass(_private.Functional, keras.Model)
+    assert inspect.signature(_private.Functional.__init__).parameters.keys() >= {"inputs", "outputs"}
+
+
+def test_keras_callbacks_still_save_through_the_methods_kerasmulti_overrides(tmp_path):
+    """ParallelModelCheckpoint and ParallelBackupAndRestore write atomically by
+    overriding Keras' private `_save_model`: if Keras stopped calling it, Keras'
+    own non-atomic save would run instead, and nothing else would notice."""
+    calls = []
+
+    class Checkpoint(keras.callbacks.ModelCheckpoint):
+        def _save_model(self, epoch, batch, logs):
+            calls.append(("checkpoint", epoch))
+
+    class Backup(keras.callbacks.BackupAndRestore):
+        def _save_model(self):
+            calls.append(("backup", self._current_epoch))
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    import numpy as np
+
+    callbacks = [Checkpoint(str(tmp_path / "m.keras")), Backup(str(tmp_path / "backup"))]
+    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=2, verbose=0, callbacks=callbacks)
+    assert [c for c in calls if c[0] == "checkpoint"] == [("checkpoint", 0), ("checkpoint", 1)]
+    assert len([c for c in calls if c[0] == "backup"]) == 2
+    assert not (tmp_path / "m.keras").exists()  # Keras' own save did not run beside ours
