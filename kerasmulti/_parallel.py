@@ -148,9 +148,7 @@ class ParallelModel(keras.Model):
             _replicas.set_valid(shards[i].size)
             # Losses its layers add (regularisers, add_loss) count by its rows.
             with _losses.added_losses_scaled(self._template, shares[i]):
-                output = self._template(pieces[i], training=training)
-            _split.check_batch_axis(output, pieces[i])
-            return output
+                return self._template(pieces[i], training=training)
 
         synchronized = bool(training) and bool(self._batchnorm)
         if synchronized and record.could_possibly_record():

@@ -151,7 +151,7 @@ def check_batch_axis(outputs, inputs) -> None:
     input row; a squeeze without an axis drops it on a 1-row sub-batch.
     Checked on static shapes, where the trace knows them.
     """
-    rows = next((t.shape[0] for t in tree.flatten(inputs) if t is not None and len(t.shape)), None)
+    rows = next((d for d in _first_dims(inputs) if d is not None), None)
     for t in tree.flatten(outputs):
         _check_rows(t, rows)
 
