@@ -14,6 +14,7 @@ DEVICES = 3
 kerasmulti.simulate_devices(DEVICES)
 
 
+import itertools  # noqa: E402
 import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -32,7 +33,7 @@ def seeded_data(request, monkeypatch):
     """
     seed = int(os.environ.get("KERASMULTI_TEST_SEED", zlib.crc32(request.node.nodeid.encode())))
     print(f"data seed: {seed} (KERASMULTI_TEST_SEED={seed} reproduces it)")
-    calls = iter(range(1 << 30))
+    calls = itertools.count()
 
     def default_rng(seed_or_none=None):
         if seed_or_none is None:
