@@ -13,6 +13,7 @@ Public API (everything else is private):
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
 - `ParallelBackupAndRestore`: `BackupAndRestore` that resumes a parallel model exactly.
+- `ThroughputMonitor`: samples/s per device, step time split, imbalance, per epoch.
 - `DeviceError`: a device request this machine cannot satisfy (a ValueError).
 - `initialize()`: join the cluster that `TF_CONFIG` names (workers of `kerasmulti launch` join at import).
 - `is_chief()`, `ClusterError`: in a cluster, the process that writes; a cluster that cannot go on.
@@ -51,6 +52,7 @@ __all__ = [
     "remap_devices",
     "simulate_devices",
     "strip_placement",
+    "ThroughputMonitor",
     "unwrap",
 ]
 
@@ -64,7 +66,7 @@ def _import_public() -> None:
     global ClusterError, DeviceError, LaunchError, OnDevice, ParallelBackupAndRestore, ParallelModel
     global ParallelModelCheckpoint, PlacementSummary, available_devices, device_scope, initialize
     global is_chief, launch, on_device, parallel_predict, parallelize, placement_summary
-    global remap_devices, simulate_devices, strip_placement, unwrap
+    global remap_devices, simulate_devices, strip_placement, ThroughputMonitor, unwrap
     from kerasmulti._devices import DeviceError, available_devices, simulate_devices
     from kerasmulti._devices import _simulate_from_environment
 
@@ -80,6 +82,7 @@ def _import_public() -> None:
     from kerasmulti._backup import ParallelBackupAndRestore
     from kerasmulti._checkpoint import ParallelModelCheckpoint
     from kerasmulti._inference import parallel_predict
+    from kerasmulti._monitor import ThroughputMonitor
     from kerasmulti._launch import launch
     from kerasmulti._tf_config import LaunchError
     from kerasmulti._on_device import OnDevice

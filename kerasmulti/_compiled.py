@@ -137,10 +137,11 @@ class CompiledReplicas:
         results = self._call_all(devices, self._arguments(pieces, shards, shares, batch, False, 1.0), None, False, "forward")
         return [_with_masks(r["y_pred"], r["masks"]) for r in results]
 
-    def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred):
+    def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred, timing=None):
         """Every replica's step; returns `(y_pred, loss, gradients)` per replica.
 
-        The loss trackers' values go to `deferred` (`_split.DeferredLossMetrics`).
+        The loss trackers' values go to `deferred` (`_split.DeferredLossMetrics`),
+        the replicas' busy times to `timing` (`_balance.StepTiming`), if given.
         Non-trainable updates (BatchNormalization, seed states) are assigned
         to the template after a training step.
         """
@@ -155,10 +156,10 @@ class CompiledReplicas:
             self._needs_counts[key] = self._traced_needs_counts
         totals = None
         if self._needs_counts[key]:
-            counts = self._call_all(devices, arguments, None, training, "count")
+            counts = self._call_all(devices, arguments, None, training, "count", timing)
             with tf.device(self._model._merge_device):
                 totals = tf.add_n([c["counts"] for c in counts])
-        results = self._call_all(devices, arguments, totals, training, "step")
+        results = self._call_all(devices, arguments, totals, training, "step", timing)
         for i, r in enumerate(results):
             deferred.put(i, r["tracked"])
         if training:
@@ -180,11 +181,16 @@ class CompiledReplicas:
             arguments.append((trainable, frozen, state, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 
-    def _call_all(self, devices, arguments, totals, training, mode):
+    def _call_all(self, devices, arguments, totals, training, mode, timing=None):
         results = []
         for i, device in enumerate(devices):
             with tf.device(device), tf.name_scope(f"replica_{i}"), _replicas.as_replica(i):
-                results.append(self._step(*arguments[i], totals, training, mode))
+                args = arguments[i]
+                if timing:  # x, y and sample_weight wait for the start time
+                    args = (*args[:3], *timing.start(i, args[3:6]), *args[6:])
+                results.append(self._step(*args, totals, training, mode))
+                if timing:
+                    timing.end(i, results[-1])
         return results
 
     @staticmethod

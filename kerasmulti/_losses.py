@@ -26,6 +26,7 @@ import warnings
 from typing import Callable
 
 import numpy as np
+import keras
 from keras import ops
 
 from kerasmulti._private import global_state, loss_module
@@ -142,6 +143,23 @@ def added_losses_scaled(model, share):
             layer._losses[k] = loss * ops.cast(share, loss.dtype)
 
 
+def counted_or_summed(rows, batch, summed: Callable) -> Callable:
+    """A `total` for `replica_part`: proportional totals counted, others `summed`.
+
+    A total proportional to the rows is this replica's count over its rows
+    times the batch's rows, exact in floating point (the count is a whole
+    multiple of the rows), so the replica need not wait for the others'
+    forward passes: a slow replica then delays only the gradient sum.
+    """
+
+    def total(value, by_rows: bool):
+        if not by_rows:
+            return summed(value, by_rows)
+        return ops.divide_no_nan(value, ops.cast(rows, value.dtype)) * ops.cast(batch, value.dtype)
+
+    return total
+
+
 @contextlib.contextmanager
 def replica_part(share, valid, rows, total: Callable):
     """Inside: Keras losses return this replica's part of the batch's loss.
@@ -167,3 +185,27 @@ def replica_part(share, valid, rows, total: Callable):
             _installed -= 1
             if _installed == 0:
                 loss_module.reduce_weighted_values = _original
+
+
+def check_reductions(loss) -> None:
+    """Refuses per-output losses that mix reduction=None with reduced ones.
+
+    Keras adds a reduced loss (a scalar) to per-row losses by broadcasting;
+    each replica holds only its part of the scalar, so merging the per-row
+    sums would be wrong.
+    """
+    if not isinstance(loss, (dict, list, tuple)):
+        return
+    reductions = {
+        str(getattr(leaf, "reduction", "sum_over_batch_size")).replace("none", "None")
+        for leaf in keras.tree.flatten(loss)
+        if leaf is not None
+    }
+    if "None" in reductions and len(reductions) > 1:
+        raise ValueError(
+            "parallelize() cannot mix a loss with reduction=None (one loss per row) "
+            "and reduced losses on other outputs: Keras adds the reduced ones to every "
+            "row, and each replica holds only its part of them. Give every output's "
+            "loss the same kind of reduction (all None, or none None). "
+            f"Received: reductions={sorted(reductions)}"
+        )

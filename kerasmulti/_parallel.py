@@ -24,11 +24,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kerasmulti import _compiled, _feeding, _losses, _replicas, _split
+from kerasmulti import _balance, _compiled, _feeding, _losses, _monitor, _persistence, _replicas, _split
 from kerasmulti._private import compute_output_spec, loss_module, record
 
 
-class ParallelModel(keras.Model):
+class ParallelModel(_persistence.TemplatePersistence, keras.Model):
     """A data-parallel view of a template model; build it with `parallelize`.
 
     It is a `keras.Model`: compile, fit, evaluate, predict and call it as the
@@ -49,11 +49,15 @@ class ParallelModel(keras.Model):
     # strategy): they neither compile replicas nor feed arrays themselves.
     _runs_replicas = True
 
-    def __init__(self, template, devices, merge_device, **kwargs):
+    def __init__(self, template, devices, merge_device, split=None, **kwargs):
         super().__init__(name=f"parallel_{template.name}", **kwargs)
         self._template = template
         self._replica_devices = list(devices)
         self._merge_device = merge_device
+        # None (even), fixed proportions, or measured ones (`_balance`).
+        self._auto_split = _balance.AutoSplit(len(devices)) if split == "auto" else None
+        self._split = split
+        self._timing = _balance.StepTiming(len(devices)) if self._auto_split else None
         self._batchnorm = _replicas.batchnorm_layers(template)
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
@@ -71,7 +75,7 @@ class ParallelModel(keras.Model):
         True forces it (CPU devices too), False keeps the uncompiled
         replicas, whose BatchNormalization statistics are the whole batch's.
         """
-        _check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        _losses.check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
         replicas = len(self._replica_devices)
         if replicas > 1:
             run_eagerly = kwargs.get("run_eagerly", False)
@@ -101,6 +105,7 @@ class ParallelModel(keras.Model):
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`_feeding`)."""
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        _monitor.attach(self, arguments.get("callbacks"))
         if self._runs_replicas:
             arguments = _feeding.fit_arguments(arguments)
         return super().fit(**arguments)
@@ -129,16 +134,33 @@ class ParallelModel(keras.Model):
         """The devices replicas run on, in shard order."""
         return list(self._replica_devices)
 
+    @property
+    def split(self) -> list[float] | None:
+        """Each device's proportion of a batch: None for even sizes; `split="auto"`: measured."""
+        if self._auto_split is not None:
+            return self._auto_split.current()
+        return None if self._split is None else list(self._split)
+
+    def _proportions(self):
+        return self._split if self._auto_split is None else self._auto_split.proportions.read_value()
+
+    def _time_steps(self) -> _balance.StepTiming:
+        """Turns on step timing (`ThroughputMonitor`); the next fit traces its step again."""
+        if self._timing is None:
+            self._timing = _balance.StepTiming(len(self._replica_devices))
+            self.train_function = None
+        return self._timing
+
     def call(self, inputs, training=None):
         batch = _split.batch_size(inputs)
-        shards = _split.plan(batch, len(self._replica_devices))
+        shards = _split.plan(batch, len(self._replica_devices), self._proportions())
         if len(shards) == 1:
             return _replicas.run(
                 self._replica_devices[:1], lambda i: self._template(inputs, training=training)
             )[0]
 
         pieces = self._slice(inputs, shards)
-        shares = _split.weights(shards, batch)
+        shares = _split.shares(shards, batch)
         if not training and self.replica_jit_compile:
             outputs = self._compiled.forward(self._devices_for(shards), pieces, shards, shares, batch)
             with tf.device(self._merge_device):
@@ -171,15 +193,25 @@ class ParallelModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if self._timing is not None:
+            started = self._timing.step_start(x)
         step = self._replica_step(x, y, sample_weight, training=True)
         if step is None:
-            return super().train_step(data)
-        y_pred, gradients = step
-        if gradients:
-            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+            logs = super().train_step(data)
+            shards = [_split.Shard(0, _split.batch_size(x), _split.batch_size(x))]
         else:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            y_pred, gradients, shards = step
+            if gradients:
+                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+            else:
+                warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self._timing is not None:
+            updated = [tf.convert_to_tensor(v) for v in self.trainable_weights or [self.optimizer.iterations]]
+            busy, rows = self._timing.record(shards, started, updated)
+            if self._auto_split is not None:
+                self._auto_split.observe(busy, rows)
+        return logs
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -196,21 +228,21 @@ class ParallelModel(keras.Model):
         one replica.
         """
         batch = _split.batch_size(x)
-        shards = _split.plan(batch, len(self._replica_devices))
+        shards = _split.plan(batch, len(self._replica_devices), self._proportions())
         if len(shards) == 1:
             return None
+        timing = self._timing if training else None
         trainable = self.trainable_weights if training else []
-        shares = _split.weights(shards, batch)
+        shares = _split.shares(shards, batch)
         self._build_compile_loss(x, y, sample_weight)
 
         pieces = self._slice((x, y, sample_weight), shards)
 
         def replica(i):
             _replicas.set_valid(shards[i].size)
-            x_i, y_i, sw_i = pieces[i]
-            part = _losses.replica_part(
-                shares[i], _replicas.valid(), shards[i].take, _replicas.cross_replica_sum
-            )
+            x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            total = _losses.counted_or_summed(shards[i].take, batch, _replicas.cross_replica_sum)
+            part = _losses.replica_part(shares[i], _replicas.valid(), shards[i].take, total)
             with tf.GradientTape() as tape:
                 y_pred = self._template(x_i, training=training)
                 _split.check_batch_axis(y_pred, x_i)
@@ -220,6 +252,8 @@ class ParallelModel(keras.Model):
                     )
                 scaled = self.optimizer.scale_loss(loss) if training and self.optimizer else loss
             gradients = tape.gradient(scaled, trainable) if trainable else []
+            if timing:
+                timing.end(i, (y_pred, loss, gradients))
             return y_pred, loss, gradients
 
         # Synchronised: the replicas' losses need the whole batch's totals
@@ -229,7 +263,7 @@ class ParallelModel(keras.Model):
             if self.replica_jit_compile:
                 scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
                 results = self._compiled.run(
-                    self._devices_for(shards), pieces, shards, shares, batch, training, scale, deferred
+                    self._devices_for(shards), pieces, shards, shares, batch, training, scale, deferred, timing
                 )
             else:
                 stack.enter_context(self._synchronized(True))
@@ -246,7 +280,7 @@ class ParallelModel(keras.Model):
         self._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )
-        return y_pred, gradients
+        return y_pred, gradients, shards
 
     def _build_compile_loss(self, x, y, sample_weight):
         """Builds Keras' loss (and its per-output trackers) before the replicas run.
@@ -280,66 +314,6 @@ class ParallelModel(keras.Model):
         if not enabled:
             return contextlib.nullcontext()
         return _replicas.synchronized(self, self._batchnorm)
-
-    # The wrapper is a view: persistence acts on the template.
-
-    def save(self, filepath, *args, **kwargs):
-        """Saves the template model (see `keras.Model.save`).
-
-        The template carries the parallel model's compile settings and
-        optimizer (see `compile`), so a `.keras` file holds them, as
-        `ModelCheckpoint` on a compiled model would, and
-        `keras.models.load_model` returns a model ready to evaluate or
-        continue training. Legacy `.h5` files are written without them
-        (`include_optimizer=False`): Keras' legacy loader cannot read back
-        some compile settings, such as `loss="mse"`.
-        """
-        if str(filepath).endswith(".h5"):
-            kwargs.setdefault("include_optimizer", False)
-        return self._template.save(filepath, *args, **kwargs)
-
-    def save_weights(self, filepath, *args, **kwargs):
-        """Saves the template's weights (see `keras.Model.save_weights`)."""
-        return self._template.save_weights(filepath, *args, **kwargs)
-
-    def load_weights(self, filepath, *args, **kwargs):
-        """Loads weights into the template (see `keras.Model.load_weights`)."""
-        return self._template.load_weights(filepath, *args, **kwargs)
-
-    def get_config(self):
-        return self._template.get_config()
-
-    def summary(self, *args, **kwargs):
-        """Prints the template's summary, preceded by the replica devices."""
-        print(
-            f"Data-parallel over {len(self._replica_devices)} device(s): "
-            f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
-        )
-        return self._template.summary(*args, **kwargs)
-
-
-def _check_reductions(loss) -> None:
-    """Refuses per-output losses that mix reduction=None with reduced ones.
-
-    Keras adds a reduced loss (a scalar) to per-row losses by broadcasting;
-    each replica holds only its part of the scalar, so merging the per-row
-    sums would be wrong.
-    """
-    if not isinstance(loss, (dict, list, tuple)):
-        return
-    reductions = {
-        str(getattr(leaf, "reduction", "sum_over_batch_size")).replace("none", "None")
-        for leaf in keras.tree.flatten(loss)
-        if leaf is not None
-    }
-    if "None" in reductions and len(reductions) > 1:
-        raise ValueError(
-            "parallelize() cannot mix a loss with reduction=None (one loss per row) "
-            "and reduced losses on other outputs: Keras adds the reduced ones to every "
-            "row, and each replica holds only its part of them. Give every output's "
-            "loss the same kind of reduction (all None, or none None). "
-            f"Received: reductions={sorted(reductions)}"
-        )
 
 
 def _warn_overrides(template: keras.Model, names) -> None:

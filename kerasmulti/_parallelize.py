@@ -15,7 +15,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from kerasmulti import _cluster, _devices
+from kerasmulti import _balance, _cluster, _devices
 from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._private import compute_output_spec
 
@@ -69,6 +69,7 @@ def parallelize(
     devices: Sequence[str] | None = None,
     cpu_merge: bool = True,
     cpu_relocation: bool = False,
+    split: str | Sequence[float] = "even",
 ) -> ParallelModel:
     """Replicates a Keras model on several devices for data-parallel training.
 
@@ -115,6 +116,12 @@ def parallelize(
         cpu_relocation: Move the model's variables to host memory (`/cpu:0`),
             as Keras 2's `multi_gpu_model` did, e.g. when they do not fit on
             one device.
+        split: How a batch is shared among the devices: `"even"` (sizes
+            differ by at most one), a list of one weight per device (sizes in
+            proportion, e.g. `[2, 1]` when the first device is twice as fast),
+            or `"auto"`: even at first, then in proportion to each device's
+            speed measured over the first training steps (see
+            `ThroughputMonitor`). The numbers stay those of one device.
 
     Returns:
         A `ParallelModel`, a `keras.Model` with the template's inputs, outputs
@@ -147,25 +154,32 @@ def parallelize(
     if strategy is not None:
         _check_model(model)
         _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
+            raise ValueError(
+                "split= other than 'even' works in one process only: across workers "
+                "tf.distribute shares every batch evenly. Leave split='even'. "
+                f"Received: split={split!r}"
+            )
         _warn_row_mixing(unwrap(model), stacklevel=2)
         from kerasmulti import _multiworker
 
         return _multiworker.adopt(unwrap(model), strategy)
-    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation)
+    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation, split)
 
 
-def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False) -> ParallelModel:
+def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> ParallelModel:
     """`parallelize` on this process's devices, also inside a cluster."""
     if isinstance(model, ParallelModel):
         model = model._template
     _check_model(model)
     replica_devices = _devices.resolve_devices(gpus, devices)
+    proportions = _balance.resolve(split, replica_devices)
     if len(replica_devices) > 1:
         _warn_row_mixing(model, stacklevel=3)
     if cpu_relocation:
         _relocate_to_cpu(model)
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    return ParallelModel(model, replica_devices, merge_device)
+    return ParallelModel(model, replica_devices, merge_device, proportions)
 
 
 def _check_model(model) -> None:

@@ -1,7 +1,9 @@
 """Splitting a batch into per-replica shards and merging what they return.
 
-A batch of B rows over n devices becomes min(n, B) shards whose sizes differ by
-at most one, in order. When B is known while tracing (eager calls, the first
+A batch of B rows over n devices becomes min(n, B) shards, in order, whose
+sizes differ by at most one, or follow the proportions `split` gives (one per
+device: fixed numbers, or a tensor that `_balance.AutoSplit` updates from
+measured speeds). When B and the proportions are known while tracing (eager calls, the first
 compiled step), idle replicas are simply not run. When B is only known at run
 time (a compiled step retraced for a smaller last batch), every replica is
 traced; a replica whose shard is empty computes on one borrowed row and gets
@@ -76,26 +78,57 @@ def batch_size(structure, what: str = "inputs"):
     return sizes[0]
 
 
-def plan(batch, replicas: int) -> list[Shard]:
-    """Shards for `batch` rows over at most `replicas` devices."""
-    if isinstance(batch, int):
-        used = max(1, min(replicas, batch))
-        base, extra = divmod(batch, used)
+def plan(batch, replicas: int, split=None) -> list[Shard]:
+    """Shards for `batch` rows over at most `replicas` devices.
+
+    `split`: None for sizes that differ by at most one; else one proportion
+    per device, a tuple of floats summing to 1 (sizes known while tracing
+    when `batch` is) or a float tensor (sizes known at run time).
+    """
+    if isinstance(batch, int) and not tf.is_tensor(split):
+        sizes = _even_sizes(batch, replicas) if split is None else _proportional_sizes(batch, split)
         shards, begin = [], 0
-        for i in range(used):
-            size = base + (1 if i < extra else 0)
+        for size in sizes:
             shards.append(Shard(begin, size, size))
             begin += size
         return shards
-    base, extra = batch // replicas, batch % replicas
-    shards = []
-    for i in range(replicas):
-        size = base + tf.cast(i < extra, batch.dtype)
-        begin = i * base + tf.minimum(i, extra)
-        shards.append(
-            Shard(tf.where(size > 0, begin, 0), tf.maximum(size, 1), size)
-        )
+    batch = tf.convert_to_tensor(batch, tf.int32)
+    if split is None:
+        base, extra = batch // replicas, batch % replicas
+        ends = [(i + 1) * base + tf.minimum(i + 1, extra) for i in range(replicas)]
+    else:
+        # Cumulative proportions give the ends, so the sizes sum to the batch.
+        cumulative = tf.math.cumsum(tf.cast(split, tf.float64))
+        ends = [tf.cast(tf.round(tf.cast(batch, tf.float64) * cumulative[i]), tf.int32) for i in range(replicas - 1)]
+        ends.append(batch)
+    shards, begin = [], tf.constant(0, tf.int32)
+    for end in ends:
+        size = end - begin
+        shards.append(Shard(tf.where(size > 0, begin, 0), tf.maximum(size, 1), size))
+        begin = end
     return shards
+
+
+def _even_sizes(batch: int, replicas: int) -> list[int]:
+    used = max(1, min(replicas, batch))
+    base, extra = divmod(batch, used)
+    return [base + (1 if i < extra else 0) for i in range(used)]
+
+
+def _proportional_sizes(batch: int, split) -> list[int]:
+    """Sizes in proportion to `split`, each at least one row while rows last.
+
+    Largest remainders round the ideal sizes, so the sizes sum to `batch`.
+    """
+    if batch < len(split):
+        return _even_sizes(batch, len(split))
+    ideal = [batch * p for p in split]
+    sizes = [max(1, int(x)) for x in ideal]
+    while sum(sizes) < batch:
+        sizes[max(range(len(sizes)), key=lambda i: ideal[i] - sizes[i])] += 1
+    while sum(sizes) > batch:
+        sizes[max((i for i in range(len(sizes)) if sizes[i] > 1), key=lambda i: sizes[i] - ideal[i])] -= 1
+    return sizes
 
 
 def take(structure, shard: Shard):
@@ -119,7 +152,7 @@ def take(structure, shard: Shard):
     return tree.map_structure(rows, structure)
 
 
-def weights(shards: list[Shard], batch) -> list:
+def shares(shards: list[Shard], batch) -> list:
     """Each shard's share of the batch, as float32 scalars summing to 1."""
     total = tf.cast(batch, tf.float32)
     return [tf.cast(s.size, tf.float32) / total for s in shards]

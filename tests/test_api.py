@@ -25,6 +25,7 @@ PUBLIC = [
     "remap_devices",
     "simulate_devices",
     "strip_placement",
+    "ThroughputMonitor",
     "unwrap",
 ]
 

@@ -1,0 +1,210 @@
+"""Balanced splits and step timing: where a parallel step's time goes.
+
+Synchronous data parallelism runs at the pace of the slowest replica. Each
+replica's busy time is measured inside the step, by clock readings:
+one that its rows wait for before it starts, one that waits for everything
+it returns. The step's own time runs from its batch to the updated weights.
+(`tf.timestamp` cannot serve: TensorFlow orders stateful ops without
+inputs in program order, so replica 1's start would wait for replica 0's
+end; a stateless `numpy_function` reading the clock runs when its control
+dependencies are met.) The figures add up in variables, so reading them costs nothing per step
+(`ThroughputMonitor` reads them once per epoch) and they also count the steps
+run by `steps_per_execution`.
+
+`split="auto"` starts even, measures each replica's rows per second over
+`AutoSplit.WINDOW` steps (after `WARMUP` steps whose first runs compile), and
+from then on sizes every sub-batch in proportion to those speeds, so the
+replicas finish together. The proportions live in a variable the step reads,
+so they change without retracing. A replica that waits for another mid-step
+(synchronised BatchNormalization, a loss whose totals need the others'
+outputs) counts its wait as busy time, which hides part of the imbalance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from numbers import Real
+
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+
+def resolve(split, devices: list[str]):
+    """`parallelize`'s `split` as the model keeps it: None, a tuple of proportions, or "auto"."""
+    if isinstance(split, str):
+        if split in ("even", "auto"):
+            return None if split == "even" else "auto"
+    elif isinstance(split, (list, tuple)) and all(
+        isinstance(w, Real) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in split
+    ):
+        if len(split) != len(devices):
+            raise ValueError(
+                f"split has {len(split)} weight(s) but the model runs on {len(devices)} "
+                f"device(s) ({', '.join(devices)}). Give one weight per device. "
+                f"Received: split={list(split)}"
+            )
+        total = float(sum(split))
+        return tuple(float(w) / total for w in split)
+    raise ValueError(
+        "split must be 'even', 'auto' or a list of one positive weight per device "
+        f"(e.g. [2, 1] for a device twice as fast). Received: split={split!r}"
+    )
+
+
+class StepTiming:
+    """Per-replica busy time and rows, and step time, added up inside the step.
+
+    Args:
+        replicas: How many replicas the steps run.
+    """
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self.busy = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="busy_seconds")
+            self.rows = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="rows")
+            self.slowest = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="slowest_seconds")
+            self.step = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="step_seconds")
+            self.steps = tf.Variable(tf.zeros((), tf.int64), trainable=False, name="steps")
+        self._starts = {}
+        self._step_started = None
+        self._durations = {}
+        self._lock = threading.Lock()
+
+    def start(self, replica: int, inputs):
+        """`inputs`, made to wait for replica `replica`'s start time."""
+        start = self._clock_after((inputs, self._step_started))
+        with self._lock:
+            self._starts[replica] = start
+        with tf.control_dependencies([start]):
+            return tree.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
+
+    def end(self, replica: int, outputs) -> None:
+        """Notes replica `replica`'s busy time, once `outputs` are computed."""
+        with self._lock:
+            start = self._starts.pop(replica)
+        duration = self._clock_after(outputs) - start
+        with self._lock:  # a replica may run twice a step (a counting pass)
+            self._durations[replica] = self._durations.get(replica, 0.0) + duration
+
+    def step_start(self, batch):
+        """The step's start time, once its batch has arrived; replicas start after it."""
+        self._step_started = self._clock_after(batch)
+        return self._step_started
+
+    def record(self, shards, step_start, done):
+        """Adds this step's figures once `done` (the updated weights) exists.
+
+        A step run on one replica (a batch of one row, or one device) counts
+        its whole time as that replica's. Returns the replicas' busy times
+        and rows.
+        """
+        with self._lock:
+            durations, self._durations = self._durations, {}
+        step = self._clock_after(done) - step_start
+        zero = tf.zeros((), tf.float64)
+        if not durations:
+            durations = {0: step}
+        busy = tf.stack([durations.get(i, zero) for i in range(self.replicas)])
+        sizes = [tf.cast(shards[i].size, tf.float64) if i < len(shards) else zero for i in range(self.replicas)]
+        self.busy.assign_add(busy)
+        self.rows.assign_add(tf.stack(sizes))
+        self.slowest.assign_add(tf.reduce_max(busy))
+        self.step.assign_add(step)
+        self.steps.assign_add(1)
+        return busy, tf.stack(sizes)
+
+    def _clock_after(self, structure):
+        """Seconds on the host's clock, read once every tensor in `structure` exists."""
+        tensors = [t for t in tf.nest.flatten(tree.flatten(structure), expand_composites=True) if tf.is_tensor(t)]
+        # A distinct, non-constant input: no reading is folded or merged with another.
+        distinct = tf.cast(self.steps.read_value(), tf.float64) + float(next(_readings))
+        with tf.control_dependencies(tensors), tf.device("/cpu:0"):
+            now = tf.numpy_function(_now, [distinct], tf.float64, stateful=False)
+        now.set_shape(())
+        return now
+
+    def take(self) -> dict:
+        """The figures added up since the last `take`, as numpy values; starts again at zero."""
+        figures = {
+            name: getattr(self, name).numpy() for name in ("busy", "rows", "slowest", "step", "steps")
+        }
+        for name in ("busy", "rows", "slowest", "step", "steps"):
+            variable = getattr(self, name)
+            variable.assign(tf.zeros_like(variable))
+        return figures
+
+
+class AutoSplit:
+    """`split="auto"`: proportions measured from the replicas' speeds, in a variable.
+
+    Args:
+        replicas: How many replicas the steps run.
+    """
+
+    WARMUP = 2  # steps not measured: their first runs compile
+    WINDOW = 10  # steps measured before the proportions are set
+
+    def __init__(self, replicas: int):
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self.proportions = tf.Variable(
+                tf.fill([replicas], 1.0 / replicas), trainable=False, name="split_proportions"
+            )
+            self._seen = tf.Variable(tf.zeros((), tf.int64), trainable=False, name="split_steps")
+            self._speeds = tf.Variable(tf.zeros((self.WINDOW, replicas), tf.float64), trainable=False, name="split_speeds")
+
+    @property
+    def settled(self) -> bool:
+        return int(self._seen.numpy()) >= self.WARMUP + self.WINDOW
+
+    def observe(self, busy, rows) -> None:
+        """Notes one step's replica speeds; after the window, sets the proportions.
+
+        Each replica's speed is its median over the window's steps, so a step
+        that compiled (XLA compiles each new sub-batch shape when it first
+        runs) or met a busy moment does not skew it.
+        """
+        seen = self._seen.assign_add(1)
+        slot = seen - self.WARMUP - 1
+        measured = tf.logical_and(slot >= 0, slot < self.WINDOW)
+        # A replica that ran no rows this step (a 1-row batch) shows no speed.
+        speeds = tf.where(rows > 0, tf.math.divide_no_nan(rows, busy), tf.constant(np.nan, tf.float64))
+        index = tf.clip_by_value(slot, 0, self.WINDOW - 1)
+        self._speeds.scatter_update(
+            tf.IndexedSlices(tf.where(measured, speeds, self._speeds[index])[None], index[None])
+        )
+        speed = _median(self._speeds.read_value())
+        valid = tf.logical_and(tf.math.is_finite(speed), speed > 0)
+        proportions = tf.cast(speed / tf.reduce_sum(speed), tf.float32)
+        settle = tf.logical_and(tf.equal(seen, self.WARMUP + self.WINDOW), tf.reduce_all(valid))
+        self.proportions.assign(tf.where(settle, proportions, self.proportions))
+
+    def current(self) -> list[float]:
+        return [float(p) for p in np.asarray(self.proportions.numpy())]
+
+
+def _median(speeds):
+    """Each column's median, ignoring NaN (steps where that replica ran no rows)."""
+    columns = []
+    for k in range(speeds.shape[1]):
+        column = tf.boolean_mask(speeds[:, k], tf.math.logical_not(tf.math.is_nan(speeds[:, k])))
+        ordered = tf.sort(column)
+        count = tf.size(ordered)
+        middle = tf.cond(
+            count > 0,
+            lambda: (ordered[(count - 1) // 2] + ordered[count // 2]) / 2,
+            lambda: tf.constant(np.nan, tf.float64),
+        )
+        columns.append(middle)
+    return tf.stack(columns)
+
+
+_readings = itertools.count()
+
+
+def _now(_):
+    return np.float64(time.perf_counter())

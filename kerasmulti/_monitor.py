@@ -1,0 +1,189 @@
+"""`ThroughputMonitor`: where a parallel model's training time goes, per epoch.
+
+The figures come from the step itself (`_balance.StepTiming`): each
+replica's busy time and rows, the slowest replica's time per step, and the
+step's time from its batch to the updated weights. The monitor reads them
+once per epoch, so watching costs no synchronisation per step. Samples per
+second overall are rows over the epoch's training time (first batch to last,
+validation excluded), which includes the input pipeline and Keras' loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kerasmulti import _cluster
+
+
+class ThroughputMonitor(keras.callbacks.Callback):
+    """Measures a parallel model's throughput per epoch, overall and per device.
+
+    Each epoch it records samples per second overall and per replica device,
+    the mean step time split into the replicas' compute (the slowest
+    replica's) and the rest (merging outputs, summing gradients, the
+    update), the imbalance between replicas (slowest busy time over
+    fastest), and, given the samples per second of one device, the scaling
+    efficiency. It prints one line per epoch (on the chief only in a
+    cluster), keeps the figures in `records` (a list of dicts, one per
+    epoch, for a notebook to plot), and, with a `keras.callbacks.TensorBoard`
+    in the same `fit`, writes them as scalars under its `log_dir`, in
+    `throughput/`. The figures are added up inside the step and read once
+    per epoch. The first epoch includes tracing and compiling.
+
+    Args:
+        baseline: Samples per second of the model on one device, e.g. a
+            monitor's figure for `parallelize(model, gpus=1)`; with it the
+            records hold `scaling_efficiency`: samples per second over
+            `baseline` times the number of devices.
+        verbose: 1 prints one line per epoch, 0 is silent.
+
+    Raises:
+        TypeError: At the start of `fit`, if the model is not a model
+            returned by `kerasmulti.parallelize` in this process.
+
+    Example:
+
+    ```python
+    import keras, kerasmulti, numpy as np
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    parallel = kerasmulti.parallelize(model)
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor()
+    parallel.fit(np.ones((64, 8)), np.ones((64, 3)), batch_size=16, epochs=2, callbacks=[monitor], verbose=0)
+    print(monitor.records[-1]["samples_per_second"])
+    ```
+    """
+
+    def __init__(self, baseline: float | None = None, verbose: int = 1):
+        super().__init__()
+        if baseline is not None and not (isinstance(baseline, (int, float)) and baseline > 0):
+            raise ValueError(
+                "baseline must be a positive number of samples per second on one device. "
+                f"Received: baseline={baseline!r}"
+            )
+        self.baseline = baseline
+        self.verbose = verbose
+        self.records: list[dict] = []
+        self._log_dir = None  # set by ParallelModel.fit when a TensorBoard callback is given
+        self._writer = None
+
+    def on_train_begin(self, logs=None):
+        timing = getattr(self.model, "_timing", None)
+        if timing is None:
+            raise TypeError(
+                "ThroughputMonitor measures models returned by kerasmulti.parallelize() in "
+                "one process. Pass it to that model's fit(); parallelize(model, gpus=1) "
+                f"measures one device. Received: model={type(self.model).__name__}"
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model._timing.take()  # the epoch's figures start from zero
+        self._first = self._last = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first is None:
+            self._first = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._last is None:  # no batch ran (the data ran out)
+            return
+        record = self._record(epoch, self.model._timing.take(), self._last - self._first)
+        self.records.append(record)
+        if self.verbose and _cluster.is_chief():
+            print(_line(record))
+        if self._log_dir is not None and _cluster.is_chief():
+            self._write(record)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _record(self, epoch, figures, seconds) -> dict:
+        devices = list(self.model.replica_devices)
+        steps = max(int(figures["steps"]), 1)
+        rows, busy = figures["rows"], figures["busy"]
+        used = rows > 0
+        record = {
+            "epoch": epoch + 1,
+            "samples": int(rows.sum()),
+            "seconds": seconds,
+            "samples_per_second": float(rows.sum() / seconds) if seconds > 0 else float("nan"),
+            "step_seconds": float(figures["step"]) / steps,
+            "compute_seconds": float(figures["slowest"]) / steps,
+            "devices": {
+                device: {
+                    "rows": int(r),
+                    "busy_seconds": float(b),
+                    "samples_per_second": float(r / b) if b > 0 else float("nan"),
+                }
+                for device, r, b in zip(devices, rows, busy)
+            },
+            "imbalance": float(busy[used].max() / busy[used].min()) if used.any() and busy[used].min() > 0 else 1.0,
+            "split": list(self.model.split) if self.model.split is not None else None,
+        }
+        record["merge_update_seconds"] = record["step_seconds"] - record["compute_seconds"]
+        if self.baseline is not None:
+            record["scaling_efficiency"] = record["samples_per_second"] / (self.baseline * len(devices))
+        return record
+
+    def _write(self, record) -> None:
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self._log_dir, "throughput"))
+        scalars = {
+            key: record[key]
+            for key in ("samples_per_second", "step_seconds", "compute_seconds", "merge_update_seconds", "imbalance", "scaling_efficiency")
+            if key in record
+        }
+        for device, figures in record["devices"].items():
+            scalars[f"samples_per_second/{_tag(device)}"] = figures["samples_per_second"]
+        with self._writer.as_default():
+            for name, value in scalars.items():
+                if np.isfinite(value):
+                    tf.summary.scalar(name, value, step=record["epoch"])
+        self._writer.flush()
+
+
+def _tag(device: str) -> str:
+    return device.strip("/").replace("device:", "").replace(":", "_")
+
+
+def _line(record) -> str:
+    per_device = ", ".join(
+        f"{device} {figures['samples_per_second']:.0f}/s ({figures['rows']} rows)"
+        for device, figures in record["devices"].items()
+    )
+    line = (
+        f"Epoch {record['epoch']}: {record['samples_per_second']:.0f} samples/s; step "
+        f"{record['step_seconds'] * 1e3:.1f} ms = replicas {record['compute_seconds'] * 1e3:.1f} ms + "
+        f"merge/update {record['merge_update_seconds'] * 1e3:.1f} ms; {per_device}; "
+        f"imbalance {record['imbalance']:.2f}x"
+    )
+    if "scaling_efficiency" in record:
+        line += f"; scaling efficiency {record['scaling_efficiency']:.0%}"
+    return line
+
+
+def attach(model, callbacks) -> None:
+    """Prepares `model`'s fit for the `ThroughputMonitor`s among `callbacks`.
+
+    Turns on the step's timing (its step is traced again once) and gives each
+    monitor the `log_dir` of a `TensorBoard` callback in the same list.
+    """
+    callbacks = list(getattr(callbacks, "callbacks", callbacks) or [])
+    monitors = [c for c in callbacks if isinstance(c, ThroughputMonitor)]
+    if not monitors:
+        return
+    if model._runs_replicas:
+        model._time_steps()
+    log_dir = next((c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)), None)
+    for monitor in monitors:
+        monitor._log_dir = log_dir
