@@ -228,7 +228,12 @@ def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_ro
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     command = [sys.executable, "-m", "kerasmulti._cli", "predict", "m.keras", "x.npy", "--output", str(out)]
     with open(tmp_path / "stdout", "w") as stdout:  # a progress bar, more than a pipe holds
-        process = subprocess.Popen([*command, "--batch-size", "1"], cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+        # SIGINT back to its default: a suite started in the background (`cmd &`)
+        # ignores it, and Python then keeps ignoring it, as a shell would want.
+        process = subprocess.Popen(
+            [*command, "--batch-size", "1"], cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         deadline = time.monotonic() + 240
         while not out.exists():  # the file is made just before the first batch: predicting has begun
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
