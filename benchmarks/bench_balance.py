@@ -1,0 +1,185 @@
+"""Balancing replicas of unequal speed: `split="auto"` against `split="even"`.
+
+Synchronous data parallelism runs at the pace of the slowest replica. Here one
+of two simulated devices runs at half speed, by a load this script controls:
+a layer that, besides the model's real work (a dense network), holds each
+replica for `--ms-per-row` milliseconds per row of its sub-batch, twice as
+long on the slowed device (a sleep, so the load is exact and takes no core
+from the real work). With `split="even"` the fast device waits half of every
+step; `split="auto"` measures both devices' speeds over its first steps and
+then gives the fast one twice the rows. Ideal gain: 1.5x.
+
+All variants run in one process, built from the same seed, their timed fit
+epochs interleaved (`_common.timed_rounds`); each is warmed up first with one
+epoch, long enough for "auto" to settle its proportions. Reported: samples/s
+(median), the ratio auto/even, and what `ThroughputMonitor` saw in each:
+per-device samples/s, their ratio against the imposed 0.5, and the imbalance
+(slowest replica's busy time over the fastest's).
+
+Last, the monitor's overhead: the data-parallel benchmark's CNN
+(`bench_data_parallel.py`), even split, trained with and without a monitor,
+interleaved; the target is at most 2 %.
+
+Usage:
+    python benchmarks/bench_balance.py [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import time
+
+from _common import check, make_parser, median, print_environment, run_reporting, timed_rounds
+
+import kerasmulti  # noqa: E402
+
+DEVICES = 2
+SLOW_DEVICE = f"CPU:{DEVICES - 1}"
+# The load blocks a thread of TensorFlow's inter-op pool while it holds a
+# replica, so the pool gets room for the real work beside it.
+kerasmulti.simulate_devices(DEVICES)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES + 2)
+
+SEED = 1234
+FEATURES = 64
+
+
+class SlowDevice(keras.layers.Layer):
+    """Holds each replica `ms_per_row` ms per row; `factor` times as long on `SLOW_DEVICE`."""
+
+    def __init__(self, ms_per_row: float, factor: float, **kwargs):
+        super().__init__(**kwargs)
+        self.ms_per_row, self.factor = ms_per_row, factor
+
+    def call(self, x):
+        device = "" if tf.executing_eagerly() else tf.identity(x).device
+        seconds = self.ms_per_row / 1000 * (self.factor if device.endswith(SLOW_DEVICE) else 1.0)
+
+        def hold(rows, _):
+            time.sleep(float(rows) * seconds)
+            return np.float32(0)
+
+        # x[0, 0] as an input: with constant inputs the op would be folded away.
+        zero = tf.numpy_function(hold, [tf.shape(x)[0], x[0, 0]], tf.float32, stateful=False)
+        zero.set_shape(())
+        return x + tf.stop_gradient(zero)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def build_model(ms_per_row: float, factor: float) -> keras.Model:
+    keras.utils.set_random_seed(SEED)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(256, activation="relu"),
+            SlowDevice(ms_per_row, factor),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+
+
+class Variant:
+    def __init__(self, name, model):
+        self.name, self.model = name, model
+        self.monitor = kerasmulti.ThroughputMonitor(verbose=0)
+        self.rates: list[float] = []
+
+
+def fit_epoch(variant, data, record: bool, monitor: bool = True) -> None:
+    start = time.perf_counter()
+    history = variant.model.fit(data.batches, epochs=1, verbose=0, callbacks=[variant.monitor] if monitor else [])
+    float(history.history["loss"][-1])
+    rate = data.rows / (time.perf_counter() - start)
+    if record:
+        variant.rates.append(rate)
+
+
+class Data:
+    """Batches of random rows as a tf.data pipeline (no autotuning: see _common.dataset)."""
+
+    def __init__(self, samples: int, batch_size: int, shape=(FEATURES,), classes=10):
+        rng = np.random.default_rng(SEED)
+        x = rng.standard_normal((samples, *shape), dtype=np.float32)
+        y = rng.integers(0, classes, size=(samples,), dtype=np.int32)
+        from _common import dataset
+
+        self.rows = samples
+        self.batches = dataset(x, y, batch_size)
+
+
+
+def balance(args) -> None:
+    data = Data(args.samples, args.batch_size)
+    variants = []
+    for split in ("even", "auto"):
+        model = kerasmulti.parallelize(build_model(args.ms_per_row, 2.0), gpus=DEVICES, split=split)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        variants.append(Variant(f'split="{split}"', model))
+    for variant in variants:  # warm-up: traces, and lets "auto" settle
+        fit_epoch(variant, data, record=False)
+    while not variants[1].model._auto_split.settled:
+        fit_epoch(variants[1], data, record=False)
+    print(f"  auto settled on proportions {[round(p, 3) for p in variants[1].model.split]}")
+    timed_rounds(variants, args.repeats, lambda v: fit_epoch(v, data, record=True))
+    even, auto = (median(v.rates) for v in variants)
+    print(f"\n{'variant':<16} {'samples/s':>10}   per device (samples/s, rows/epoch)   imbalance")
+    for variant in variants:
+        record = variant.monitor.records[-1]
+        devices = ", ".join(
+            f"{d} {f['samples_per_second']:.0f} ({f['rows']})" for d, f in record["devices"].items()
+        )
+        print(f"{variant.name:<16} {median(variant.rates):>10.0f}   {devices}   {record['imbalance']:.2f}x")
+    ratio = auto / even
+    print(f"\nsplit='auto' / split='even': {ratio:.2f}x (ideal 1.50x)")
+    check("auto >= 1.3x even", ratio * 100, 130, "% of even")
+    speeds = [f["samples_per_second"] for f in variants[0].monitor.records[-1]["devices"].values()]
+    seen = speeds[1] / speeds[0]
+    print(f"  monitor: slowed device at {seen:.2f}x the fast one's speed (imposed 0.50x)")
+    check("monitor within 15 % of the imposed imbalance", 100 - abs(seen / 0.5 - 1) * 100, 85, "% agreement")
+
+
+def overhead(args) -> None:
+    """The monitor's cost on the data-parallel benchmark's CNN, even split."""
+    from bench_data_parallel import build_model as cnn
+    from bench_data_parallel import compile_model
+
+    data = Data(args.samples // 2, args.batch_size, shape=(32, 32, 3))
+    plain = Variant("without monitor", compile_model(kerasmulti.parallelize(cnn(), gpus=DEVICES)))
+    watched = Variant("with monitor", compile_model(kerasmulti.parallelize(cnn(), gpus=DEVICES)))
+    for variant, monitor in ((plain, False), (watched, True)):
+        fit_epoch(variant, data, record=False, monitor=monitor)
+    timed_rounds([plain, watched], args.repeats, lambda v: fit_epoch(v, data, True, v is watched))
+    cost = 1 - median(watched.rates) / median(plain.rates)
+    print(f"\nCNN, samples/s: without monitor {median(plain.rates):.0f}, with {median(watched.rates):.0f}: "
+          f"overhead {cost:+.1%} (target at most 2 %)")
+    check("monitor overhead <= 2 %", 100 - cost * 100, 98, "% of unmonitored")
+
+
+def main(argv=None) -> None:
+    parser = make_parser(
+        __doc__, repeats=5, samples=4096, samples_help="rows per epoch (default 4096)",
+        batch_help="global batch (default 256)",
+    )
+    parser.add_argument("--ms-per-row", type=float, default=0.25,
+                        help="the load per row on the fast device, ms (default 0.25; twice on the slow one)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1024 rows")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.samples = 1, 1024
+    print_environment(kerasmulti.available_devices()[:DEVICES])
+    print(f"{DEVICES} devices, {args.samples} rows an epoch in batches of {args.batch_size}; "
+          f"load {args.ms_per_row} ms a row, {SLOW_DEVICE} at half speed; {args.repeats} repeats\n")
+    balance(args)
+    print()
+    overhead(args)
+
+
+if __name__ == "__main__":
+    run_reporting(main)

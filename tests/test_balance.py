@@ -1,0 +1,221 @@
+"""Balanced splits (`split=`) give one-device numbers, and the step timing behind them.
+
+A fixed split, and the measured one (`split="auto"`, including its change of
+proportions mid-training and a replica left idle), must give the template's
+logs, weights and predictions on one device. The monitor's figures and
+"auto"'s proportions are checked on devices slowed by a known factor.
+"""
+
+import glob
+import math
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasmulti
+from cases import CASES, assert_same_logs, assert_same_weights
+from conftest import DEVICES
+from kerasmulti import _balance, _split
+
+SAMPLES = 10
+
+
+def _train_both(case, split, batch_size, jit=False, before_fit=None, epochs=3):
+    reference, template = case.pair(11)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES, split=split)
+    x, y = case.data(np.random.default_rng(), SAMPLES)
+    reference.compile(**case.compile_kwargs())
+    parallel.compile(**case.compile_kwargs(), jit_compile=jit)
+    if before_fit:
+        before_fit(parallel)
+    fit = dict(batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+    for e, g in zip(keras.tree.flatten(reference.predict(x, batch_size=batch_size, verbose=0)),
+                    keras.tree.flatten(parallel.predict(x, batch_size=batch_size, verbose=0))):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    return parallel
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("batch_size", [7])
+def test_a_fixed_split_gives_one_device_numbers(case, batch_size):
+    parallel = _train_both(case, [3, 1, 2], batch_size)
+    assert parallel.split == pytest.approx([0.5, 1 / 6, 1 / 3])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name != "batchnorm"], ids=lambda c: c.name)
+def test_a_fixed_split_gives_one_device_numbers_under_xla(case):
+    _train_both(case, [3, 1, 2], 7, jit=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_auto_split_changes_proportions_mid_training_with_one_device_numbers(case, monkeypatch):
+    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 3)
+    # 10 samples in batches of 4: 3 steps an epoch, settled in the second epoch.
+    parallel = _train_both(case, "auto", 4)
+    assert parallel._auto_split.settled
+    assert sum(parallel.split) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "xla"])
+def test_measured_proportions_that_leave_replicas_idle_keep_one_device_numbers(monkeypatch, jit):
+    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1000)  # keep the proportions given here
+    case = CASES[0]
+    # Batches of 4 at [0.9, 0.05, 0.05]: rows 4, 0, 0; the last batch of 2: 2, 0, 0.
+    parallel = _train_both(case, "auto", 4, jit, lambda p: p._auto_split.proportions.assign([0.9, 0.05, 0.05]))
+    assert parallel.split == pytest.approx([0.9, 0.05, 0.05])
+
+
+def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
+    sizes = lambda batch, split: [s.size for s in _split.plan(batch, len(split), split)]  # noqa: E731
+    assert sizes(10, (0.5, 0.25, 0.25)) == [5, 3, 2]
+    assert sizes(64, (2 / 3, 1 / 3)) == [43, 21]
+    assert sizes(4, (0.98, 0.01, 0.01)) == [2, 1, 1]  # every device keeps a row
+    assert sizes(2, (0.5, 0.25, 0.25)) == [1, 1]  # fewer rows than devices: as "even"
+    for batch in range(3, 40):
+        got = sizes(batch, (0.6, 0.3, 0.1))
+        assert sum(got) == batch and min(got) >= 1
+        assert all(abs(g - batch * p) < 2 for g, p in zip(got, (0.6, 0.3, 0.1)))
+    # Known at run time only (a measured split): cumulative rounding, idle replicas allowed.
+    shards = _split.plan(tf.constant(10), 3, tf.constant([0.5, 0.25, 0.25]))
+    assert [int(s.size) for s in shards] == [5, 2, 3] or [int(s.size) for s in shards] == [5, 3, 2]
+    shards = _split.plan(tf.constant(4), 3, tf.constant([0.9, 0.05, 0.05]))
+    assert [int(s.size) for s in shards] == [4, 0, 0]
+    assert [int(s.take) for s in shards] == [4, 1, 1]  # idle replicas compute on a borrowed row
+
+
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("fast", "split must be 'even', 'auto' or a list"),
+        ([1, 2], "split has 2 weight\\(s\\) but the model runs on 3 device\\(s\\)"),
+        ([1, 0, 1], "split must be 'even', 'auto' or a list"),
+        ([1, -1, 1], "split must be 'even', 'auto' or a list"),
+        ([1, math.nan, 1], "split must be 'even', 'auto' or a list"),
+        ([True, 1, 1], "split must be 'even', 'auto' or a list"),
+        (0.5, "split must be 'even', 'auto' or a list"),
+    ],
+)
+def test_bad_splits_are_refused(split, message):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=message) as raised:
+        kerasmulti.parallelize(model, gpus=DEVICES, split=split)
+    assert f"Received: split={split!r}" in str(raised.value) or f"Received: split={list(split)}" in str(raised.value)
+
+
+def test_splits_other_than_even_are_refused_across_workers(monkeypatch):
+    from kerasmulti import _parallelize
+
+    monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="works in one process only.*Received: split='auto'"):
+        kerasmulti.parallelize(model, split="auto")
+
+
+class SlowDevice(keras.layers.Layer):
+    """A load: sleeps `ms_per_row` per row, `factor` times as long on devices named in `slow`."""
+
+    def __init__(self, ms_per_row, slow, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.ms_per_row, self.slow, self.factor = ms_per_row, slow, factor
+
+    def call(self, x):
+        device = "" if tf.executing_eagerly() else tf.identity(x).device
+        seconds = self.ms_per_row / 1000 * (self.factor if any(device.endswith(d) for d in self.slow) else 1)
+
+        def sleep(rows, _):
+            time.sleep(float(rows) * seconds)
+            return np.float32(0)
+
+        # x[0, 0] as an input: a sleep of constant inputs would be folded away.
+        zero = tf.numpy_function(sleep, [tf.shape(x)[0], x[0, 0]], tf.float32, stateful=False)
+        zero.set_shape(())
+        return x + tf.stop_gradient(zero)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+
+def _slowed_model(factor, slow=("CPU:2",), ms_per_row=1.0):
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+         SlowDevice(ms_per_row, slow, factor), keras.layers.Dense(1)]
+    )
+
+
+def _data(n=240):
+    rng = np.random.default_rng()
+    return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
+
+
+def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
+    parallel = kerasmulti.parallelize(_slowed_model(factor=2.0), gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(baseline=1000.0)
+    x, y = _data()
+    tensorboard = keras.callbacks.TensorBoard(str(tmp_path / "logs"))
+    parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor, tensorboard])
+    assert [r["epoch"] for r in monitor.records] == [1, 2]
+    record = monitor.records[-1]
+    devices = record["devices"]
+    assert [d["rows"] for d in devices.values()] == [80, 80, 80]
+    assert record["samples"] == len(x)
+    speeds = [d["samples_per_second"] for d in devices.values()]
+    # Devices 0 and 1 at full speed, device 2 at half: within 15 %.
+    assert speeds[2] / speeds[0] == pytest.approx(0.5, rel=0.15)
+    assert speeds[1] / speeds[0] == pytest.approx(1.0, rel=0.15)
+    assert record["imbalance"] == pytest.approx(2.0, rel=0.15)
+    assert 0 < record["compute_seconds"] <= record["step_seconds"]
+    # 16 rows at 2 ms a row is the slowest replica's least: 32 ms a step.
+    assert record["compute_seconds"] >= 0.032
+    assert record["scaling_efficiency"] == pytest.approx(record["samples_per_second"] / 3000.0)
+    printed = capsys.readouterr().out
+    assert "Epoch 2:" in printed and "/device:CPU:2" in printed and "imbalance" in printed
+    assert glob.glob(str(tmp_path / "logs" / "throughput" / "events.out.tfevents.*"))
+
+
+def test_auto_split_gives_a_slowed_device_fewer_rows_and_trains_faster(monkeypatch):
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 4)
+    x, y = _data(480)
+    parallel = kerasmulti.parallelize(_slowed_model(factor=3.0), gpus=DEVICES, split="auto")
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor])
+    # Speeds 1 : 1 : 1/3 give proportions 3/7, 3/7, 1/7.
+    # (Devices 0 and 1 share two busy cores, so their figures differ more.)
+    assert parallel.split[2] == pytest.approx(1 / 7, abs=0.04)
+    assert min(parallel.split[:2]) > 0.3
+    before, after = monitor.records
+    assert before["imbalance"] > 2.0 and after["imbalance"] < 1.5
+    rows = [d["rows"] for d in after["devices"].values()]
+    assert rows[2] < rows[0] / 2
+
+
+def test_the_monitor_measures_one_device_for_a_baseline():
+    parallel = kerasmulti.parallelize(_slowed_model(factor=1.0), gpus=1)
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    x, y = _data(96)
+    parallel.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
+    (record,) = monitor.records
+    assert list(record["devices"].values())[0]["rows"] == 96
+    assert record["compute_seconds"] == pytest.approx(record["step_seconds"])
+    assert record["compute_seconds"] >= 0.032  # 32 rows at 1 ms a row
+
+
+def test_the_monitor_refuses_a_model_it_cannot_measure():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match="measures models returned by kerasmulti.parallelize.*Received: model=Sequential"):
+        model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0, callbacks=[kerasmulti.ThroughputMonitor()])
+
+
+@pytest.mark.parametrize("baseline", [0, -5.0, "fast"])
+def test_a_bad_baseline_is_refused(baseline):
+    with pytest.raises(ValueError, match=f"baseline must be a positive number.*Received: baseline={baseline!r}"):
+        kerasmulti.ThroughputMonitor(baseline=baseline)
