@@ -22,6 +22,9 @@ around what breaks Keras 3 `fit` there:
   the whole batch; logged losses are weighted to match.
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device.
+- Keras' gradient accumulation merges inside a `cond`, which crashes under
+  the strategy (keras-team/keras#20582); `_accumulation` runs the same
+  algorithm with its synchronisation outside the `cond`.
 - Objects made outside the scope are brought in: an optimizer is re-created
   from its config; a metric's variables are re-created, like the template's.
 - Every worker reads the same input and keeps its part of each batch, in an
@@ -40,7 +43,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _cluster, _feeding, _losses, _worker_inputs
+from kerasmulti import _accumulation, _cluster, _feeding, _losses, _worker_inputs
 from kerasmulti._parallel import ParallelModel
 
 
@@ -77,6 +80,7 @@ class WorkerModel(ParallelModel):
             )
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
+            _accumulation.check(self.optimizer)
             # Metric objects made outside the scope (AUC(), ...) hold plain
             # variables, which every worker would read as its own part only.
             for name in ("metrics", "weighted_metrics"):
@@ -153,7 +157,10 @@ class WorkerModel(ParallelModel):
             scaled = self.optimizer.scale_loss(loss)
         if trainable:
             gradients = tape.gradient(scaled, trainable)
-            self.optimizer.apply_gradients(zip(gradients, trainable))
+            if _accumulation.accumulates(self.optimizer):
+                _accumulation.apply(self.optimizer, gradients, trainable)  # Keras' crashes here
+            else:
+                self.optimizer.apply_gradients(zip(gradients, trainable))
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     def test_step(self, data):

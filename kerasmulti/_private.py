@@ -55,6 +55,24 @@ from keras.src.saving import saving_lib
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
 
+# Not imports but private attributes of a Keras optimizer: multi-worker
+# gradient accumulation (`_accumulation.py`) re-runs Keras' accumulating
+# `apply` with its synchronisation outside the `cond` that crashes under
+# MultiWorkerMirroredStrategy (keras-team/keras#20582), on the optimizer's own
+# state so that its checkpoints and iterations are Keras': `_iterations`,
+# `_accumulated_gradients`, `_get_variable_index`, `_filter_empty_gradients`,
+# `_clip_gradients`, `_use_weight_decay`. No public name reaches the
+# accumulators or Keras' clipping and weight-decay rules. (Listed here for
+# `tests/test_private.py`; they are attributes, not names in `__all__`.)
+OPTIMIZER_ATTRIBUTES = (
+    "_iterations",
+    "_accumulated_gradients",
+    "_get_variable_index",
+    "_filter_empty_gradients",
+    "_clip_gradients",
+    "_use_weight_decay",
+)
+
 # Joining a cluster with a deadline (`_cluster._join`): the coordination
 # service is what MultiWorkerMirroredStrategy configures itself, but without
 # `cluster_register_timeout_in_ms` a missing worker blocks for an hour.

@@ -171,3 +171,25 @@ def test_a_resumed_run_with_shuffled_epochs_ends_like_an_uninterrupted_one(tmp_p
     plain.mkdir()
     _launch_workers("multi_worker_resume.py", str(plain))
     assert not np.allclose(np.load(plain / "final-0.npz")["arr_0"], expected["arr_0"], atol=1e-4)
+
+
+def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(tmp_path):
+    """Keras' accumulation crashes across workers (keras-team/keras#20582); kerasmulti's is exact."""
+    _launch_workers("multi_worker_accumulation.py", str(tmp_path))
+    _one_process("multi_worker_accumulation.py", str(tmp_path), "--reference")
+    reference = np.load(tmp_path / "reference.npz")
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    # weights, losses and every optimizer variable: iterations, moments, accumulators
+    assert {k.split("/")[0] for k in reference.files} == {"adam", "adamw"}
+    assert any("gradient_accumulator" in k for k in reference.files)
+    for key in reference.files:
+        np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
+    # the runs end mid-accumulation: 15 steps with k=2, 20 with k=3
+    assert int(reference["adam/optimizer/adam/iteration"]) == 15
+    assert int(reference["adamw/optimizer/adam_w/iteration"]) == 20
+    for phase in ("adam", "adamw"):
+        pending = [reference[k] for k in reference.files if k.startswith(phase + "/") and "accumulator" in k]
+        assert max(np.abs(value).max() for value in pending) > 0, phase
+    message = str(workers[1]["refusal/message"])
+    assert "does not keep use_ema's moving averages" in message and message.endswith("Received: use_ema=True")

@@ -131,3 +131,33 @@ def test_keras_callbacks_still_save_through_the_methods_kerasmulti_overrides(tmp
     assert [c for c in calls if c[0] == "checkpoint"] == [("checkpoint", 0), ("checkpoint", 1)]
     assert len([c for c in calls if c[0] == "backup"]) == 2
     assert not (tmp_path / "m.keras").exists()  # Keras' own save did not run beside ours
+
+
+def test_accumulating_optimizers_keep_the_attributes_multi_worker_accumulation_uses():
+    """`_accumulation.apply` runs Keras' accumulating apply on the optimizer's own
+    private state: each attribute exists and means what it is used for."""
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.1, clipvalue=0.5, gradient_accumulation_steps=2)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    optimizer.build(model.trainable_variables)
+    for attribute in _private.OPTIMIZER_ATTRIBUTES:
+        assert hasattr(optimizer, attribute), f"Keras' optimizer lost {attribute}"
+    kernel, bias = model.trainable_variables
+    accumulators = optimizer._accumulated_gradients
+    assert [optimizer._get_variable_index(v) for v in (kernel, bias)] == [0, 1]
+    assert [tuple(a.shape) for a in accumulators] == [(3, 2), (2,)]
+    assert "gradient_accumulator" in accumulators[0].path
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        grads, variables = optimizer._filter_empty_gradients([None, np.ones(2, "float32")], [kernel, bias])
+    assert list(variables) == [bias] and len(grads) == 1
+    clipped = optimizer._clip_gradients([np.full((2,), 3.0, "float32")])
+    np.testing.assert_array_equal(np.asarray(clipped[0]), [0.5, 0.5])
+    assert optimizer._use_weight_decay(kernel) and not optimizer._use_weight_decay(bias)
+    assert int(np.asarray(optimizer._iterations)) == 0
+    inspect.signature(optimizer.update_step).bind("gradient", "variable", "learning_rate")
+    # What `_accumulation` mirrors: Keras' accumulating apply and its iterations
+    optimizer.apply([np.ones((3, 2), "float32"), np.ones(2, "float32")])
+    assert int(np.asarray(optimizer._iterations)) == 1 and int(np.asarray(optimizer.iterations)) == 0
+    np.testing.assert_array_equal(np.asarray(accumulators[1]), [1.0, 1.0])

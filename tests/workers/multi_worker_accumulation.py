@@ -1,0 +1,72 @@
+"""Gradient accumulation across workers, against one process on the same global batches.
+
+Run by `kerasmulti launch --workers 2 multi_worker_accumulation.py OUT` (each
+worker saves OUT/worker-<index>.npz), or as `multi_worker_accumulation.py OUT
+--reference` (one process with Keras' own accumulation, OUT/reference.npz).
+17 rows in global batches of 4: 5 steps an epoch, the last of one row (one
+worker's part is empty). Phases:
+
+- adam: Adam, gradient_accumulation_steps=2, 3 epochs: 15 steps, so the
+  accumulations straddle each epoch's end and the last is left unapplied.
+- adamw: AdamW with weight decay, global_clipnorm and a learning-rate schedule,
+  steps=3, on a BatchNormalization model, 2 epochs then 2 more in a second fit
+  call (20 steps): accumulations straddle an epoch's end and the two fit
+  calls, and the last two steps' sum is left unapplied.
+- refusal: use_ema with accumulation (workers only).
+
+The optimizer's variables (iterations, moments, the accumulators) are saved
+beside the weights: one process's state mid-accumulation must match too.
+"""
+
+import json
+import os
+import sys
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+out = sys.argv[1]
+reference = "--reference" in sys.argv
+index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+results = {}
+rng = np.random.default_rng(21)
+x, y = rng.normal(size=(17, 5)).astype("float32"), rng.normal(size=(17, 1)).astype("float32")
+
+
+def model(batchnorm=False):
+    keras.utils.set_random_seed(5)
+    layers = [keras.Input((5,)), keras.layers.Dense(6, activation="relu")]
+    if batchnorm:
+        layers.append(keras.layers.BatchNormalization(momentum=0.5))
+    return keras.Sequential(layers + [keras.layers.Dense(1)])
+
+
+def train(phase, template, optimizer, epochs):
+    target = template if reference else kerasmulti.parallelize(template)
+    target.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    losses = []
+    for count in epochs:  # one fit() call each
+        losses += target.fit(x, y, batch_size=4, epochs=count, shuffle=False, verbose=0).history["loss"]
+    for i, weight in enumerate(template.get_weights()):
+        results[f"{phase}/weight{i}"] = weight
+    for variable in target.optimizer.variables:
+        results[f"{phase}/optimizer/{variable.path}"] = np.asarray(variable)
+    results[f"{phase}/loss"] = np.asarray(losses)
+
+
+train("adam", model(), keras.optimizers.Adam(0.05, gradient_accumulation_steps=2), epochs=[3])
+schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.8)
+adamw = keras.optimizers.AdamW(schedule, weight_decay=0.1, global_clipnorm=0.5, gradient_accumulation_steps=3)
+train("adamw", model(batchnorm=True), adamw, epochs=[2, 2])
+
+if not reference:
+    try:
+        kerasmulti.parallelize(model()).compile(
+            optimizer=keras.optimizers.Adam(use_ema=True, gradient_accumulation_steps=2), loss="mse"
+        )
+    except ValueError as error:
+        results["refusal/message"] = str(error)
+
+np.savez(os.path.join(out, "reference.npz" if reference else f"worker-{index}.npz"), **results)
