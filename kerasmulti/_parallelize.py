@@ -74,7 +74,8 @@ def parallelize(
     """Replicates a Keras model on several devices for data-parallel training.
 
     Each batch is split along axis 0 into one shard per device (sizes differ by
-    at most one; a batch smaller than the device count uses fewer replicas).
+    at most one, or follow `split`; a batch smaller than the device count uses
+    fewer replicas).
     The model runs on every shard on its own device, and the outputs are
     concatenated in order on the CPU. The returned model shares every weight
     with `model`: compile and fit it, and `model` is trained; `save()` on it
