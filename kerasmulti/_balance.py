@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from kerasmulti._private import get_keras_mask, set_keras_mask
+
 
 def resolve(split, devices: list[str]):
     """`parallelize`'s `split` as the model keeps it: None, a tuple of proportions, or "auto"."""
@@ -81,7 +83,7 @@ class StepTiming:
         with self._lock:
             self._starts[replica] = start
         with tf.control_dependencies([start]):
-            return tree.map_structure(lambda t: t if t is None else tf.identity(t), inputs)
+            return tree.map_structure(_waiting_copy, inputs)
 
     def end(self, replica: int, outputs) -> None:
         """Notes replica `replica`'s busy time, once `outputs` are computed."""
@@ -105,6 +107,7 @@ class StepTiming:
         """
         with self._lock:
             durations, self._durations = self._durations, {}
+            self._step_started = None  # belongs to this trace's graph
         step = self._clock_after(done) - step_start
         zero = tf.zeros((), tf.float64)
         if not durations:
@@ -204,6 +207,17 @@ def _median(speeds):
 
 
 _readings = itertools.count()
+
+
+def _waiting_copy(t):
+    """`t` through an identity, which the surrounding control dependencies hold back; Keras mask kept."""
+    if t is None:
+        return None
+    copy = tf.identity(t)
+    mask = get_keras_mask(t)
+    if mask is not None:
+        set_keras_mask(copy, mask)
+    return copy
 
 
 def _now(_):

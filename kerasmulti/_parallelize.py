@@ -175,6 +175,8 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     _check_model(model)
     replica_devices = _devices.resolve_devices(gpus, devices)
     proportions = _balance.resolve(split, replica_devices)
+    if len(replica_devices) == 1:
+        proportions = None  # nothing to share
     if len(replica_devices) > 1:
         _warn_row_mixing(model, stacklevel=3)
     if cpu_relocation:

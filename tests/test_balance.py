@@ -71,6 +71,28 @@ def test_measured_proportions_that_leave_replicas_idle_keep_one_device_numbers(m
     assert parallel.split == pytest.approx([0.9, 0.05, 0.05])
 
 
+def test_a_masked_recurrent_model_under_a_split_and_the_monitor_gives_one_device_numbers():
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((5, 2))
+        hidden = keras.layers.LSTM(4)(keras.layers.Masking(0.0)(inputs))
+        return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+    x = np.random.default_rng().normal(size=(12, 5, 2)).astype("float32")
+    x[::2, 3:] = 0.0  # padded steps, masked inside each replica
+    y = np.random.default_rng().normal(size=(12, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES, split=[1, 2, 1])
+    reference.compile(optimizer="sgd", loss="mse")
+    parallel.compile(optimizer="sgd", loss="mse")
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **fit).history
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    assert_same_logs(expected, parallel.fit(x, y, callbacks=[monitor], **fit).history)
+    assert_same_weights(reference, template)
+    assert [d["rows"] for d in monitor.records[-1]["devices"].values()] == [3, 6, 3]
+
+
 def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
     sizes = lambda batch, split: [s.size for s in _split.plan(batch, len(split), split)]  # noqa: E731
     assert sizes(10, (0.5, 0.25, 0.25)) == [5, 3, 2]
