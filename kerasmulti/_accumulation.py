@@ -15,31 +15,62 @@ accumulators, iterations, clipping, weight decay, constraints and learning
 rate are the optimizer's own, in Keras' order, so the weights and the
 optimizer's state (checkpoints mid-accumulation included) are those of one
 process with the same optimizer on the whole batches.
+
+Mixed precision's `LossScaleOptimizer` around an accumulating optimizer
+(compile wraps one under "mixed_float16") is Keras' too: the step is skipped
+and the scale halved when the global batch's gradient is not finite, the scale
+doubles after `dynamic_growth_steps` finite steps, and the inner optimizer
+accumulates the unscaled gradients. Variables overwritten with their gradient
+(Keras' float8 scales) are refused: their "gradients" are per-replica values
+that a sum across replicas would corrupt.
 """
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 
+def _scaler(optimizer):
+    """The LossScaleOptimizer around the accumulating optimizer, or None."""
+    return optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
+
+
+def _inner(optimizer):
+    return optimizer.inner_optimizer if _scaler(optimizer) else optimizer
+
+
 def accumulates(optimizer) -> bool:
-    return bool(getattr(optimizer, "gradient_accumulation_steps", None))
+    return bool(getattr(_inner(optimizer), "gradient_accumulation_steps", None))
 
 
-def check(optimizer) -> None:
-    """Refuses what `apply` does not reproduce."""
-    if accumulates(optimizer) and optimizer.use_ema:
+def check(optimizer, variables=()) -> None:
+    """Refuses what `apply` does not reproduce (at compile, and again when the step traces)."""
+    if not accumulates(optimizer):
+        return
+    if _inner(optimizer).use_ema:
         raise ValueError(
             "parallelize() across workers accumulates gradients itself (Keras' own "
             "accumulation crashes there) and does not keep use_ema's moving averages. "
             "Turn off use_ema or gradient_accumulation_steps, or train on one worker. "
             "Received: use_ema=True"
         )
+    overwritten = [v.path for v in variables if getattr(v, "overwrite_with_gradient", False)]
+    if overwritten:
+        raise ValueError(
+            "parallelize() across workers accumulates gradients itself (Keras' own "
+            "accumulation crashes there) and does not overwrite variables with their "
+            f"gradient, as Keras' float8 layers need for {', '.join(overwritten)}. "
+            "Turn off gradient_accumulation_steps or float8 quantization, or train on "
+            "one worker. Received: overwrite_with_gradient=True"
+        )
 
 
 def apply(optimizer, grads, variables) -> None:
     """`optimizer.apply_gradients` for an accumulating optimizer, in a replica's step."""
     context = tf.distribute.get_replica_context()
+    check(optimizer, variables)  # variables a model built after compile created
+    scaler, optimizer = _scaler(optimizer), _inner(optimizer)
     grads, variables = optimizer._filter_empty_gradients(grads, list(variables))
     scale = optimizer.loss_scale_factor
     if scale is not None:
@@ -47,21 +78,50 @@ def apply(optimizer, grads, variables) -> None:
     # The global batch's gradient, as one process computes it: each replica's
     # gradient is that of its part of the global batch's loss.
     grads = context.all_reduce("sum", [tf.convert_to_tensor(g) for g in grads])
+    # Keras' LossScaleOptimizer: a step applies only if the (global) gradient is
+    # finite, after unscaling it by the dynamic scale.
+    finite = scaler.check_finite(grads) if scaler else tf.constant(True)
+    if scaler:
+        grads = [g / tf.cast(scaler.dynamic_scale, g.dtype) for g in grads]
     steps = optimizer.gradient_accumulation_steps
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
     sums = [g + a for g, a in zip(grads, accumulators)]
     # Keras' update branch, computed on every step (cheap, and outside the cond).
     averaged = optimizer._clip_gradients([s / steps for s in sums])
     learning_rate = optimizer.learning_rate
-    context.merge_call(_update, args=(optimizer, averaged, sums, variables, accumulators, learning_rate))
+    context.merge_call(_update, args=(scaler, finite, optimizer, averaged, sums, variables, accumulators, learning_rate))
+    # A skipped step (non-finite gradient) leaves the variables and iterations.
     for variable in variables:
         if variable.constraint is not None:
-            variable.assign(variable.constraint(variable))
-    optimizer._iterations.assign_add(1)
+            variable.assign(tf.where(finite, variable.constraint(variable), variable))
+    optimizer._iterations.assign_add(tf.cast(finite, optimizer._iterations.dtype))
 
 
-def _update(strategy, optimizer, averaged, sums, variables, accumulators, learning_rate):
-    """Cross-replica: applies the averages on every k-th step, else accumulates."""
+def _update(strategy, scaler, finite, optimizer, averaged, sums, variables, accumulators, learning_rate):
+    """Cross-replica: applies the averages on every k-th step, else accumulates;
+    under a LossScaleOptimizer, only for a finite gradient, then adjusts the scale."""
+    if scaler is None:
+        return _step(strategy, optimizer, averaged, sums, variables, accumulators, learning_rate)
+
+    def applied():
+        _step(strategy, optimizer, averaged, sums, variables, accumulators, learning_rate)
+        grow = scaler.step_counter == scaler.dynamic_growth_steps - 1
+        tf.cond(grow, lambda: _rescale(scaler, 2.0), lambda: _count(scaler))
+
+    # Every replica's all-reduced gradient, so its finiteness, is the same.
+    tf.cond(strategy.experimental_local_results(finite)[0], applied, lambda: _rescale(scaler, 0.5))
+
+
+def _rescale(scaler, factor):
+    scaler.step_counter.assign(0)
+    scaler.dynamic_scale.assign(scaler.dynamic_scale * factor)
+
+
+def _count(scaler):
+    scaler.step_counter.assign_add(1)
+
+
+def _step(strategy, optimizer, averaged, sums, variables, accumulators, learning_rate):
     extended = strategy.extended
     steps = optimizer.gradient_accumulation_steps
 

@@ -80,7 +80,7 @@ class WorkerModel(ParallelModel):
             )
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
-            _accumulation.check(self.optimizer)
+            _accumulation.check(self.optimizer, self.trainable_weights)
             # Metric objects made outside the scope (AUC(), ...) hold plain
             # variables, which every worker would read as its own part only.
             for name in ("metrics", "weighted_metrics"):

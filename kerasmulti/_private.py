@@ -73,6 +73,13 @@ OPTIMIZER_ATTRIBUTES = (
     "_use_weight_decay",
 )
 
+# Likewise attributes of Keras' LossScaleOptimizer (mixed precision) that
+# `_accumulation.py` runs its skip-or-apply and rescaling with, around the
+# accumulation, since its own `apply` calls the inner optimizer's, which
+# crashes: the scale and the count of finite steps are its state, undocumented
+# (no underscore, but no public API), as is `check_finite`.
+LOSS_SCALE_ATTRIBUTES = ("inner_optimizer", "dynamic_scale", "step_counter", "dynamic_growth_steps", "check_finite")
+
 # Joining a cluster with a deadline (`_cluster._join`): the coordination
 # service is what MultiWorkerMirroredStrategy configures itself, but without
 # `cluster_register_timeout_in_ms` a missing worker blocks for an hour.

@@ -126,3 +126,85 @@ def test_multi_worker_accumulation_refuses_use_ema():
     optimizer = keras.optimizers.Adam(use_ema=True, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match=r"does not keep use_ema's moving averages.*Received: use_ema=True$"):
         parallel.compile(optimizer=optimizer, loss="mse")
+
+
+def _loss_scaled(initial_scale, growth):
+    inner = keras.optimizers.Adam(learning_rate=0.05, gradient_accumulation_steps=3)
+    return keras.optimizers.LossScaleOptimizer(inner, initial_scale=initial_scale, dynamic_growth_steps=growth)
+
+
+@pytest.mark.parametrize(
+    "initial_scale,growth,overflow",
+    [(2.0**4, 2, False), (2.0**15, 2000, True)],
+    ids=["growing-scale", "non-finite-steps-skipped"],
+)
+def test_multi_worker_accumulation_under_loss_scaling_gives_one_process_weights_and_state(
+    initial_scale, growth, overflow
+):
+    """Mixed precision's LossScaleOptimizer around an accumulating optimizer:
+    a step whose global-batch gradient is not finite is skipped and halves the
+    scale (here one replica's half of a batch overflows, the other's does not),
+    every `growth` finite steps double it, as on one process."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(17, 5)).astype("float32")
+    y = rng.normal(size=(17, 1)).astype("float32")
+    if overflow:
+        x[6] = 1e30  # the 2nd batch's 3rd row: its loss and gradient overflow to inf
+    reference, template = _pair(False)
+    reference.compile(optimizer=_loss_scaled(initial_scale, growth), loss="mse")
+    parallel = _worker_model(template)
+    parallel.compile(optimizer=_loss_scaled(initial_scale, growth), loss="mse")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    expected = reference.fit(x, y, **fit).history
+    got = parallel.fit(x, y, **fit).history
+    assert_same_weights(reference, template, atol=1e-7)
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    for a, b in zip(reference.optimizer.variables, parallel.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7, err_msg=a.path)
+        copies = [np.asarray(v) for v in b.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=a.path)
+    inner = parallel.optimizer.inner_optimizer
+    scale = float(np.asarray(parallel.optimizer.dynamic_scale))
+    if overflow:  # 2 of the 10 steps skipped: not counted, the scale halved twice
+        assert int(np.asarray(inner._iterations)) == 8 and scale == initial_scale / 4
+    else:
+        assert int(np.asarray(inner._iterations)) == 10 and scale > initial_scale
+    assert np.isfinite([np.asarray(w) for w in template.weights][0]).all()
+
+
+def test_multi_worker_accumulation_under_mixed_float16_matches_one_process():
+    """The common case: compile wraps the optimizer in a LossScaleOptimizer itself."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference, template = _pair(False)
+        _compile(reference, 2)
+        parallel = _worker_model(template)
+        _compile(parallel, 2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(parallel.optimizer, keras.optimizers.LossScaleOptimizer)
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, **fit)
+    parallel.fit(x, y, **fit)
+    # float16 sums half batches then adds them: rounding, not a different algorithm
+    assert_same_weights(reference, template, atol=1e-3)
+    # 2**15 overflows float16 at first: both skip the same steps, end on the same scale
+    for name in ("iterations", "dynamic_scale"):
+        got, expected = (np.asarray(getattr(m.optimizer, name)) for m in (parallel, reference))
+        assert got == expected, name
+    assert int(np.asarray(parallel.optimizer.inner_optimizer._iterations)) > 1
+
+
+def test_multi_worker_accumulation_refuses_variables_overwritten_with_their_gradient():
+    """Keras' float8 layers keep their scales in variables the optimizer overwrites
+    with their "gradient"; summed across replicas that would be wrong."""
+    _, template = _pair(False)
+    template.layers[0].quantize("float8")
+    parallel = _worker_model(template)
+    with pytest.raises(
+        ValueError, match=r"does not overwrite variables with their gradient.*Received: overwrite_with_gradient=True$"
+    ):
+        _compile(parallel, 2)

@@ -161,3 +161,27 @@ def test_accumulating_optimizers_keep_the_attributes_multi_worker_accumulation_u
     optimizer.apply([np.ones((3, 2), "float32"), np.ones(2, "float32")])
     assert int(np.asarray(optimizer._iterations)) == 1 and int(np.asarray(optimizer.iterations)) == 0
     np.testing.assert_array_equal(np.asarray(accumulators[1]), [1.0, 1.0])
+
+
+def test_loss_scale_optimizers_keep_the_attributes_multi_worker_accumulation_uses():
+    """`_accumulation.apply` re-runs LossScaleOptimizer's skip-or-apply and
+    rescaling on its own state: each attribute exists and behaves so."""
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=8.0, dynamic_growth_steps=2)
+    optimizer.build(model.trainable_variables)
+    for attribute in _private.LOSS_SCALE_ATTRIBUTES:
+        assert hasattr(optimizer, attribute), f"Keras' LossScaleOptimizer lost {attribute}"
+    assert optimizer.inner_optimizer is inner and optimizer.dynamic_growth_steps == 2
+    finite = [np.ones((3, 2), "float32"), np.ones(2, "float32")]
+    assert bool(optimizer.check_finite(finite))
+    assert not bool(optimizer.check_finite([finite[0], np.array([1.0, np.inf], "float32")]))
+    optimizer.apply([finite[0], np.array([1.0, np.nan], "float32")])  # skipped, scale halved
+    assert float(np.asarray(optimizer.dynamic_scale)) == 4.0 and int(np.asarray(inner._iterations)) == 0
+    optimizer.apply(finite)  # applied (accumulated, unscaled), one finite step counted
+    assert int(np.asarray(optimizer.step_counter)) == 1 and int(np.asarray(inner._iterations)) == 1
+    np.testing.assert_array_equal(np.asarray(inner._accumulated_gradients[1]), [0.25, 0.25])
+    optimizer.apply(finite)  # the 2nd finite step in a row doubles the scale
+    assert float(np.asarray(optimizer.dynamic_scale)) == 8.0 and int(np.asarray(optimizer.step_counter)) == 0
