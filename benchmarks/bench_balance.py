@@ -42,6 +42,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# One intra-op thread per op, as the other CPU benchmarks (`_common.configure_devices`).
+tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES + 2)
 
 SEED = 1234
