@@ -48,9 +48,9 @@ def _elements(values):
     From the static shape where it is fully known, else read from `values`.
     Not from the sub-batch's rows: a loss may flatten its values (a token
     loss over `reshape(y, (-1,))`), and its batch axis then holds rows times
-    tokens. The cost: the batch's total count, summed over replicas, now
-    waits for every replica's forward pass, so a replica's backward pass
-    starts when the slowest forward pass ends (benchmarks/README.md).
+    tokens. The count is still a whole multiple of the rows, so a replica
+    turns it into the batch's by itself (`counted_or_summed`), without
+    waiting for the others' forward passes.
     """
     shape = tuple(values.shape)
     if None not in shape:
