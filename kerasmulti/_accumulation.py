@@ -50,19 +50,17 @@ def check(optimizer, variables=()) -> None:
         return
     if _inner(optimizer).use_ema:
         raise ValueError(
-            "parallelize() across workers accumulates gradients itself (Keras' own "
-            "accumulation crashes there) and does not keep use_ema's moving averages. "
+            "Gradient accumulation across workers does not keep use_ema's moving averages. "
             "Turn off use_ema or gradient_accumulation_steps, or train on one worker. "
             "Received: use_ema=True"
         )
     overwritten = [v.path for v in variables if getattr(v, "overwrite_with_gradient", False)]
     if overwritten:
         raise ValueError(
-            "parallelize() across workers accumulates gradients itself (Keras' own "
-            "accumulation crashes there) and does not overwrite variables with their "
-            f"gradient, as Keras' float8 layers need for {', '.join(overwritten)}. "
-            "Turn off gradient_accumulation_steps or float8 quantization, or train on "
-            "one worker. Received: overwrite_with_gradient=True"
+            "Gradient accumulation across workers cannot overwrite variables with their "
+            f"gradient, as float8 layers need ({', '.join(overwritten)}). Turn off "
+            "gradient_accumulation_steps or float8, or train on one worker. "
+            "Received: overwrite_with_gradient=True"
         )
 
 

@@ -87,12 +87,13 @@ def _part_of_batch(values, sample_weight=None, mask=None, reduction="sum_over_ba
             # Count it by the replica's rows.
             rows = ops.cast(part.rows, values.dtype) * valid
             return ops.divide_no_nan(values * rows, ops.stop_gradient(part.total(rows, True)))
+        # Keras multiplies the scalar by the mean weight, which a replica can
+        # only approximate from its rows.
         warnings.warn(
-            "A loss function returned a scalar, and "
-            + ("sample_weight or class_weight is set" if sample_weight is not None else "the outputs carry a mask")
-            + ": Keras multiplies the scalar by the mean weight, which "
-            "parallelize() can only approximate from each replica's rows. Return "
-            "one loss per sample (do not average over the batch) to split it exactly.",
+            "A loss function returned a scalar with "
+            + ("sample_weight or class_weight set" if sample_weight is not None else "masked outputs")
+            + ", so parallelize() weights it approximately. Return one loss per sample "
+            "to split it exactly. Received: a scalar loss",
             stacklevel=2,
         )
     if weights is not None:
@@ -203,9 +204,7 @@ def check_reductions(loss) -> None:
     }
     if "None" in reductions and len(reductions) > 1:
         raise ValueError(
-            "parallelize() cannot mix a loss with reduction=None (one loss per row) "
-            "and reduced losses on other outputs: Keras adds the reduced ones to every "
-            "row, and each replica holds only its part of them. Give every output's "
-            "loss the same kind of reduction (all None, or none None). "
-            f"Received: reductions={sorted(reductions)}"
+            "parallelize() cannot mix reduction=None with reduced losses: Keras adds a "
+            "reduced loss to every row, and each replica holds only its part. Give every "
+            f"output's loss the same kind of reduction. Received: reductions={sorted(reductions)}"
         )

@@ -76,9 +76,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
         timing = getattr(self.model, "_timing", None)
         if timing is None:
             raise TypeError(
-                "ThroughputMonitor measures models returned by kerasmulti.parallelize() in "
-                "one process. Pass it to that model's fit(); parallelize(model, gpus=1) "
-                f"measures one device. Received: model={type(self.model).__name__}"
+                "ThroughputMonitor measures models returned by kerasmulti.parallelize() in one "
+                "process. Use it in such a model's fit() (gpus=1 for one device). "
+                f"Received: model={type(self.model).__name__}"
             )
 
     def on_epoch_begin(self, epoch, logs=None):

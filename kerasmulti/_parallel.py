@@ -174,15 +174,14 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
 
         synchronized = bool(training) and bool(self._batchnorm)
         if synchronized and record.could_possibly_record():
+            # Replicas share BatchNormalization statistics on threads of their
+            # own, which the user's tape does not record: every gradient would
+            # be None. fit() and train_on_batch() take each replica's gradients.
             raise RuntimeError(
-                "parallelize() cannot train this model under your own GradientTape: "
-                "it has BatchNormalization, whose replicas share the batch's "
-                "statistics on threads of their own, which a tape does not record, "
-                "so every gradient would be None. Train the parallel model with fit() "
-                "or train_on_batch() (they take each replica's gradients), or run a "
-                "custom loop on the template model (kerasmulti.unwrap(parallel)); "
-                f"it has {len(self._batchnorm)} BatchNormalization layer(s). "
-                "Received: training=True"
+                "A GradientTape cannot train a parallel model with BatchNormalization: its "
+                "replicas run on threads the tape does not record. Use fit() or "
+                "train_on_batch(), or run your loop on kerasmulti.unwrap(parallel). "
+                f"Received: training=True with {len(self._batchnorm)} BatchNormalization layer(s)"
             )
         with self._synchronized(synchronized):
             outputs = _replicas.run(
@@ -324,14 +323,12 @@ def _warn_overrides(template: keras.Model, names) -> None:
     """
     overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
     if overridden:
+        # Each replica runs Keras' own steps, with compile()'s loss and
+        # metrics and the losses layers add.
         warnings.warn(
-            f"The template model '{template.name}' overrides "
-            f"{', '.join(overridden)}, which the parallel model does not run: it "
-            "runs Keras' own steps on every replica, with the loss and metrics given "
-            "to compile() and the losses layers add. Put a custom loss in "
-            "compile(loss=...) or add_loss(), post-process predictions after "
-            "predict(), or train on one device. "
-            f"Received: overrides={overridden}",
+            f"The parallel model does not run {', '.join(overridden)} of the template "
+            f"'{template.name}'. Put a custom loss in compile(loss=...) or add_loss(), "
+            f"post-process predict()'s output, or use one device. Received: overrides={overridden}",
             stacklevel=3,
         )
 

@@ -23,20 +23,19 @@ from kerasmulti._private import compute_output_spec
 def _refuse_unsplittable(model) -> None:
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if getattr(layer, "stateful", False):
+            # Its state carries over row by row from one batch to the next,
+            # and replicas see different rows.
             raise ValueError(
                 f"parallelize() cannot split the stateful layer '{layer.name}' "
-                f"({type(layer).__name__}): its state carries over from one "
-                "batch to the next row by row, so it cannot be shared between "
-                "replicas that see different rows. Rebuild the model with "
-                f"stateful=False, or run it on one device. Received: "
-                f"layer={layer.name!r} with stateful=True"
+                f"({type(layer).__name__}). Rebuild it with stateful=False, or use one "
+                f"device. Received: layer={layer.name!r} with stateful=True"
             )
         if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
+            # Its correction terms are not synchronised across replicas.
             raise ValueError(
-                f"parallelize() does not support batch renormalisation in layer "
-                f"'{layer.name}': its correction terms are not synchronised "
-                "across replicas. Use BatchNormalization(renorm=False), or run "
-                f"on one device. Received: layer={layer.name!r} with renorm=True"
+                f"parallelize() does not support batch renormalisation (layer "
+                f"'{layer.name}'). Use renorm=False, or use one device. "
+                f"Received: layer={layer.name!r} with renorm=True"
             )
 
 
@@ -49,10 +48,9 @@ def _warn_row_mixing(model, stacklevel) -> None:
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
             warnings.warn(
-                f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows of its batch: on "
-                "several devices it mixes within each replica's sub-batch, so training "
-                "differs from one device. Apply it in the input pipeline (tf.data) to mix "
-                f"across the whole batch. Received: layer={layer.name!r}",
+                f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows only within each "
+                "replica's sub-batch, so training differs from one device. Apply it in the "
+                f"input pipeline (tf.data) instead. Received: layer={layer.name!r}",
                 stacklevel=stacklevel + 1,
             )
 
@@ -157,8 +155,8 @@ def parallelize(
         _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(
-                "split= other than 'even' works in one process only: across workers "
-                "tf.distribute shares every batch evenly. Leave split='even'. "
+                "split= other than 'even' works in one process only (tf.distribute shares "
+                "batches evenly across workers). Leave split='even'. "
                 f"Received: split={split!r}"
             )
         _warn_row_mixing(unwrap(model), stacklevel=2)
@@ -190,15 +188,13 @@ def _check_model(model) -> None:
         model = model._template
     if not isinstance(model, keras.Model):
         raise TypeError(
-            "parallelize() expects a keras.Model to replicate (Sequential, "
-            "functional or subclassed); wrap a single layer in "
+            "parallelize() expects a keras.Model. Wrap a single layer in "
             f"keras.Sequential first. Received: model={type(model).__name__}"
         )
     if not model.built:
         raise ValueError(
-            f"parallelize() needs a built model, but '{model.name}' has no "
-            "weights yet, so there is nothing to share between replicas. Call "
-            "model.build(input_shape) or call the model on one batch first. "
+            f"parallelize() needs a built model, but '{model.name}' has no weights yet. "
+            "Call model.build(input_shape) or call the model on one batch first. "
             f"Received: model={model.name!r} with built=False"
         )
     _build_layers(model)

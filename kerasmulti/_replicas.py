@@ -76,15 +76,13 @@ class _Rendezvous:
         self._wait()  # nobody overwrites a slot before all have read
         places = [place for place, _ in gathered]
         if len(set(places)) > 1:
+            # E.g. a squeeze() that also drops the batch axis of a 1-row
+            # sub-batch sends one replica down another path.
             raise RuntimeError(
-                "parallelize() traces one step per replica, and the replicas must "
-                "meet at the same points (BatchNormalization statistics, the "
-                "batch's loss totals), but they did not: "
-                + ", ".join(f"replica {i} reached {p}" for i, p in enumerate(places))
-                + ". This happens when a model or loss takes another path for a "
-                "smaller sub-batch (e.g. a squeeze that also drops the batch axis "
-                "of a 1-row sub-batch). Make the computation the same for every "
-                f"batch size, or train on one device. Received: meeting points={places}"
+                "The replicas took different paths through the model for their "
+                "sub-batches, so they cannot share BatchNormalization statistics or loss "
+                "totals. Make the computation the same for every batch size, or use one "
+                f"device. Received: meeting points={places}"
             )
         return [value for _, value in gathered]
 
@@ -156,12 +154,11 @@ def run(
         cause = next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), None)
         if cause is not None:
             raise cause
+        # Tracing a very large model on a busy machine can take that long.
         raise RuntimeError(
-            "parallelize() traces one step per replica, and a replica did not reach "
-            f"the point where the others waited for it within {RENDEZVOUS_TIMEOUT_S} s. "
-            "Tracing a very large model on a busy machine can take that long; "
-            "otherwise please report it with the model. "
-            f"Received: timeout={RENDEZVOUS_TIMEOUT_S} s"
+            "A replica did not reach the point where the others waited for it while "
+            "the step was traced. If the model is very large, retry on an idle machine; "
+            f"otherwise please report it with the model. Received: timeout={RENDEZVOUS_TIMEOUT_S} s"
         )
     return results
 

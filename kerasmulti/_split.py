@@ -38,9 +38,8 @@ def _first_dims(structure) -> list:
             continue
         if len(t.shape) == 0:
             raise ValueError(
-                "Every input of a parallel model needs a batch axis (axis 0) to "
-                "split across devices, but one input is a scalar. Give it a "
-                f"leading batch dimension. Received: input with shape {t.shape}"
+                "A parallel model splits every input along axis 0, but one input is a "
+                f"scalar. Give it a leading batch dimension. Received: input with shape {t.shape}"
             )
         dims.append(t.shape[0])
     return dims
@@ -61,9 +60,8 @@ def batch_size(structure, what: str = "inputs"):
     static = {d for d in dims if d is not None}
     if len(static) > 1:
         raise ValueError(
-            f"All {what} of a parallel model must have the same batch size "
-            "(axis 0), because every replica takes the same rows of each. Make "
-            f"them equal. Received: batch sizes {dims}"
+            f"All {what} of a parallel model must have the same batch size (axis 0). "
+            f"Make them equal. Received: batch sizes {dims}"
         )
     if static and None not in dims:
         return static.pop()
@@ -195,11 +193,10 @@ def _check_rows(t, rows) -> None:
         return  # unknown rank (a compiled replica's trace): merge checks it
     if shape.rank == 0 or (isinstance(rows, int) and shape[0] is not None and shape[0] != rows):
         raise ValueError(
-            f"A replica's output must keep one row per input row, but a sub-batch of "
-            f"{rows if rows is not None else 'unknown'} row(s) gave an output of shape "
-            f"{tuple(shape)}, so the replicas' outputs cannot be joined. Keep axis 0 "
-            "in every output (e.g. squeeze(x, axis=-1), not squeeze(x)), or run the "
-            f"model on one device. Received: output shape {tuple(shape)}"
+            f"A sub-batch of {rows if rows is not None else 'unknown'} row(s) gave an output "
+            "without one row per input row, so the replicas' outputs cannot be joined. Keep "
+            "axis 0 in every output (squeeze(x, axis=-1), not squeeze(x)), or use one device. "
+            f"Received: output shape {tuple(shape)}"
         )
 
 

@@ -205,6 +205,6 @@ def test_multi_worker_accumulation_refuses_variables_overwritten_with_their_grad
     template.layers[0].quantize("float8")
     parallel = _worker_model(template)
     with pytest.raises(
-        ValueError, match=r"does not overwrite variables with their gradient.*Received: overwrite_with_gradient=True$"
+        ValueError, match=r"cannot overwrite variables with their gradient.*Received: overwrite_with_gradient=True$"
     ):
         _compile(parallel, 2)

@@ -132,7 +132,7 @@ def test_replicas_that_take_different_paths_raise_at_once():
     template = keras.Sequential([keras.Input((3,)), _OnlyForSeveralRows(), keras.layers.Dense(1)])
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)
     x = np.ones((4, 3), "float32")  # shards of 2, 1 and 1 rows
-    with pytest.raises(RuntimeError, match=r"replica 0 reached BatchNormalization statistics, replica 1 reached the end of its step.*Received: meeting points="):
+    with pytest.raises(RuntimeError, match=r"took different paths.*Received: meeting points=\['BatchNormalization statistics', 'the end of its step', 'the end of its step'\]"):
         parallel(x, training=True)
 
 
@@ -151,7 +151,7 @@ def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
                 turn.acquire()
         return i
 
-    with pytest.raises(RuntimeError, match=r"did not reach the point where the others waited for it within 0.3 s.*Received: timeout=0.3 s"):
+    with pytest.raises(RuntimeError, match=r"did not reach the point where the others waited for it.*Received: timeout=0.3 s"):
         _replicas.run(["/cpu:0", "/cpu:1"], replica, synchronized=True)
 
 
@@ -185,7 +185,7 @@ def test_a_custom_training_loop_gets_one_device_gradients_or_a_clear_error():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     # With BatchNormalization the replicas run on threads the tape cannot see.
     parallel = kerasmulti.parallelize(_regularised(True), gpus=DEVICES)
-    with tf.GradientTape(), pytest.raises(RuntimeError, match=r"under your own GradientTape.*fit\(\).*unwrap.*1 BatchNormalization layer\(s\)\. Received: training=True"):
+    with tf.GradientTape(), pytest.raises(RuntimeError, match=r"GradientTape cannot train a parallel model with BatchNormalization.*fit\(\).*unwrap.*Received: training=True with 1 BatchNormalization layer\(s\)"):
         parallel(x, training=True)
 
 
