@@ -74,10 +74,10 @@ class OnDevice(keras.layers.Layer):
         if self.device not in _warned:
             _warned.add(self.device)
             warnings.warn(
-                f"Layer '{self.layer.name}' is placed on {self.device}, which this "
-                f"machine does not have (it has {', '.join(sorted(known))}); it "
-                "runs where the rest of the model runs. To choose, call "
-                "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}).",
+                f"Layer '{self.layer.name}' is placed on {self.device}, which this machine does not "
+                f"have (it has {', '.join(sorted(known))}); it runs with the rest of the model. Move it with "
+                "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}). "
+                f"Received: device={self.device!r}",
                 stacklevel=3,
             )
         return contextlib.nullcontext()
@@ -165,8 +165,7 @@ def _shared_layer(layer_config, layer_id):
         return loaded[key]
     if layer_config is None:
         raise ValueError(
-            "This OnDevice layer's config refers to a layer that another wrapper "
-            "of the same file holds, and that wrapper was not loaded first. Load "
+            "This OnDevice layer shares its layer with a wrapper that was not loaded first. Load "
             f"the whole model with keras.models.load_model. Received: layer_id={layer_id!r}"
         )
     layer = keras.saving.deserialize_keras_object(layer_config)

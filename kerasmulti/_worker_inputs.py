@@ -126,12 +126,11 @@ _gather_step = tf.function(_gather_one)
 def _batches(dataset) -> int:
     count = int(dataset.cardinality())
     if count < 0:
+        # Workers with fewer batches are padded to the others' count, which
+        # must be known.
         raise ValueError(
-            "A per-worker dataset function must return a dataset of known, "
-            "finite length, so that workers with fewer batches can be padded "
-            "to the others' count. Give it one with "
-            "`dataset.apply(tf.data.experimental.assert_cardinality(n))`, or "
-            "drop `.repeat()`. Received: cardinality="
+            "A per-worker dataset function must return a dataset of known, finite length. Drop "
+            "`.repeat()`, or apply tf.data.experimental.assert_cardinality(n). Received: cardinality="
             f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}"
         )
     return count
