@@ -159,9 +159,9 @@ def start(requested: bool | None = None) -> None:
     except Exception as error:  # reported where the cluster is first needed
         _start_error = error
         if type(error).__module__.startswith("tensorflow"):
-            # The join itself failed: TensorFlow cannot start in this process
-            # any more (its next op fails to start the gRPC server), so say
-            # why now.
+            # The join itself failed: TensorFlow's next op in this process
+            # would fail to start the gRPC server, so the reason is raised
+            # here rather than where the cluster is first needed.
             failure = _start_failure(config())
             if launched and _port_taken(error):
                 print(f"kerasmulti.ClusterError: {failure}", file=sys.stderr, flush=True)

@@ -90,7 +90,7 @@ def known_devices() -> list[str]:
 _KNOWN = None
 
 
-def _describe(devices: Sequence[str]) -> str:
+def _count_and_names(devices: Sequence[str]) -> str:
     return f"{len(devices)} ({', '.join(devices)})"
 
 
@@ -189,7 +189,7 @@ def _check_count(caller: str, n: int, devices: list[str]) -> None:
         )
         raise DeviceError(
             f"{caller} was asked for {n} devices but this machine has "
-            f"{_describe(devices)}. Pass gpus={len(devices)}{simulate}. Received: gpus={n}"
+            f"{_count_and_names(devices)}. Pass gpus={len(devices)}{simulate}. Received: gpus={n}"
         )
 
 
@@ -216,14 +216,14 @@ def resolve_devices(
     if not (_is_int(gpus) or isinstance(gpus, (list, tuple))):
         raise DeviceError(
             f"{caller} expects gpus as a positive int, a list of device ids such as [0, 1], or "
-            f"None for all {_describe(existing)} devices. Received: gpus={gpus!r}"
+            f"None for all {_count_and_names(existing)} devices. Received: gpus={gpus!r}"
         )
     if _is_int(gpus):
         gpus = int(gpus)
         if gpus < 1:
             raise DeviceError(
                 f"{caller} needs at least one device; gpus must be 1 or more "
-                f"(this machine has {_describe(existing)}). Received: gpus={gpus}"
+                f"(this machine has {_count_and_names(existing)}). Received: gpus={gpus}"
             )
         _check_count(caller, gpus, existing)
         return existing[:gpus]
@@ -231,7 +231,7 @@ def resolve_devices(
     if not ids or not all(_is_int(i) for i in ids):
         raise DeviceError(
             f"{caller} expects gpus as a non-empty list of int device ids, "
-            f"e.g. [0, 1]; this machine has {_describe(existing)}. "
+            f"e.g. [0, 1]; this machine has {_count_and_names(existing)}. "
             f"Received: gpus={gpus!r}"
         )
     if len(set(ids)) != len(ids):
@@ -243,7 +243,7 @@ def resolve_devices(
     if missing:
         raise DeviceError(
             f"{caller} was asked for device id(s) {missing} that do not exist; "
-            f"this machine has {_describe(existing)}, ids 0 to "
+            f"this machine has {_count_and_names(existing)}, ids 0 to "
             f"{len(existing) - 1}. Received: gpus={gpus!r}"
         )
     return [existing[int(i)] for i in ids]

@@ -177,7 +177,7 @@ def parallel_predict(
     verbose = 1 if verbose == "auto" else verbose
     predict = _predictor(parallel)
     if output is None:
-        collected = [batch for batch, _ in _run(predict, source, 0, batch_size, verbose)]
+        collected = [batch for batch, _ in _predicted_batches(predict, source, 0, batch_size, verbose)]
         return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
     _output_file.check_not_input(data, output)
     _stream(predict, template, source, output, batch_size, verbose, extra or {})
@@ -220,7 +220,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
         _output_file.create(output, source.rows, spec, names, attributes, extra)
     with _output_file.open_existing(output, attributes) as f:
         done = _output_file.rows_done(f)
-        for batch, (begin, end) in _run(predict, source, done, batch_size, verbose):
+        for batch, (begin, end) in _predicted_batches(predict, source, done, batch_size, verbose):
             values = [np.asarray(v) for v in tree.flatten(batch)]
             for name, value in zip(names, values):  # all checked before any is written
                 if value.shape[1:] != f[name].shape[1:]:
@@ -309,7 +309,7 @@ def _predictor(parallel):
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 
 
-def _run(predict, source, start, batch_size, verbose):
+def _predicted_batches(predict, source, start, batch_size, verbose):
     """Yields (predictions, (first_row, end_row)) batch by batch from `start`."""
     bar = keras.utils.Progbar(source.rows, verbose=verbose, unit_name="row", stateful_metrics=["rows/s"])
     begin_time, row = time.perf_counter(), start

@@ -275,13 +275,14 @@ def _lost_workers_explained(what: str):
         ) from error
 
 
-def _rows(x):
+def _replica_rows(x):
+    """The rows of this replica's batch, as a scalar tensor."""
     return tf.shape(tree.flatten(x)[0])[0]
 
 
 def _share(x):
     """This replica's share of the global batch's rows, and its rows (float32)."""
-    rows = tf.cast(_rows(x), "float32")
+    rows = tf.cast(_replica_rows(x), "float32")
     total = tf.distribute.get_replica_context().all_reduce("sum", rows)
     return tf.math.divide_no_nan(rows, total), rows
 

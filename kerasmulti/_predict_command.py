@@ -22,7 +22,7 @@ from kerasmulti import _output_file
 from kerasmulti._inference import parallel_predict
 
 
-def _load_model(path: str):
+def _model_from_file(path: str):
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "saved_model.pb")):
             raise ValueError(
@@ -158,7 +158,7 @@ def _image_input(args, model, extra: dict):
 
 
 def run(args) -> int:
-    model = _load_model(args.model)
+    model = _model_from_file(args.model)
     if not os.path.exists(args.input):
         raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
     extra = {}

@@ -123,7 +123,7 @@ class BatchedSource(Source):
             for batch in self._raw():
                 leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
                 self._note_row_shapes(batch, row)
-                self.sizes.append(_rows(batch))
+                self.sizes.append(_row_count(batch))
                 row += self.sizes[-1]
                 hashes = hashes or [hashlib.sha256(f"{a.shape[1:]}{a.dtype}".encode()) for a in leaves]
                 for digest, array in zip(hashes, leaves):
@@ -140,8 +140,8 @@ class BatchedSource(Source):
                 )
             first = _inputs_of(data[0]) if n else None
             last = _inputs_of(data[n - 1]) if n > 1 else first
-            full = _rows(first) if n else 0
-            self.sizes = [full] * (n - 1) + ([_rows(last)] if n else [])
+            full = _row_count(first) if n else 0
+            self.sizes = [full] * (n - 1) + ([_row_count(last)] if n else [])
             if n:
                 self._note_row_shapes(first, 0)
                 self._note_row_shapes(last, full * (n - 1))
@@ -167,7 +167,7 @@ class BatchedSource(Source):
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         skip = start - int(self._starts[first])
         for index, batch in enumerate(self._raw(first), first):
-            rows = _rows(batch)
+            rows = _row_count(batch)
             expected = self.sizes[index] if index < len(self.sizes) else 0
             if rows != expected:
                 raise ValueError(self._changed_batch(index, rows, expected))
@@ -259,7 +259,8 @@ def _inputs_of(batch):
     return batch
 
 
-def _rows(batch) -> int:
+def _row_count(batch) -> int:
+    """The rows in `batch`: the length of its first array."""
     return len(tree.flatten(batch)[0])
 
 
@@ -268,7 +269,7 @@ def _head(batches: Iterator, n: int):
     parts, got = [], 0
     for batch in batches:
         parts.append(tree.map_structure(lambda a: np.asarray(a)[: n - got], batch))
-        got += _rows(parts[-1])
+        got += _row_count(parts[-1])
         if got >= n:
             break
     return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)

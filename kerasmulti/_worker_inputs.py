@@ -185,10 +185,10 @@ class WorkerBatches(keras.utils.PyDataset):
     Keras shuffles a PyDataset with each process's own `random`: each worker
     would take its part of other batches, some samples twice, others never.
     With `seed`, the order is drawn from it, anew each epoch; without, it is
-    the dataset's own. Batches are copies: across workers TensorFlow 2.21
-    takes a generator's arrays without copying and may write into them,
-    which corrupted the user's arrays behind the batches (labels of the last
-    batch of an epoch replaced by other numbers, measured).
+    the dataset's own. Batches are copies because across workers TensorFlow
+    2.21 takes a generator's arrays without copying and may write into them:
+    the user's arrays behind the batches would be overwritten (such as the
+    labels of an epoch's last batch).
     """
 
     def __init__(self, data, seed=None):
