@@ -95,8 +95,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     ):
         if backup_dir and not isinstance(backup_dir, (str, os.PathLike)):  # empty: Keras' error
             raise TypeError(
-                "ParallelBackupAndRestore's backup_dir must be a folder path (a str or os.PathLike). "
-                f"Pass one such as 'backup'. Received: backup_dir={backup_dir!r}"
+                "ParallelBackupAndRestore's backup_dir must be a folder path, such as 'backup'. "
+                f"Received: backup_dir={backup_dir!r}"
             )
         super().__init__(backup_dir, save_freq, double_checkpoint, delete_checkpoint)
         check_local(backup_dir, "ParallelBackupAndRestore", "backup_dir")
@@ -117,22 +117,22 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         latest, previous = self._weights_path, self._prev_weights_path
         if not os.path.exists(previous):
             raise OSError(
-                f"ParallelBackupAndRestore cannot resume: the backup file '{damaged.path}' is damaged "
-                f"({damaged.reason}) and there is no previous backup to fall back to. Delete the folder "
-                f"'{self.backup_dir}' to start training over. Received: backup_dir={self.backup_dir!r}"
+                f"ParallelBackupAndRestore cannot resume: '{damaged.path}' is damaged ({damaged.reason}) "
+                f"and there is no previous backup. Delete '{self.backup_dir}' to start over. "
+                f"Received: backup_dir={self.backup_dir!r}"
             ) from damaged.reason
         warnings.warn(
-            f"ParallelBackupAndRestore: the backup file '{damaged.path}' is damaged ({damaged.reason}); "
-            f"resuming from the previous backup, '{previous}', one save earlier.",
+            f"The backup '{damaged.path}' is damaged ({damaged.reason}); resuming from the previous "
+            f"one, '{previous}', one save earlier. Received: backup_dir={self.backup_dir!r}",
             stacklevel=3,
         )
         try:
             epoch = self._restore(previous, self._prev_training_metadata_path)
         except _Damaged as too:
             raise OSError(
-                f"ParallelBackupAndRestore cannot resume: the backup file '{damaged.path}' and the "
-                f"previous one, '{too.path}', are both damaged ({too.reason}). Delete the folder "
-                f"'{self.backup_dir}' to start training over. Received: backup_dir={self.backup_dir!r}"
+                f"ParallelBackupAndRestore cannot resume: '{damaged.path}' and the previous backup, "
+                f"'{too.path}', are both damaged ({too.reason}). Delete '{self.backup_dir}' to start over. "
+                f"Received: backup_dir={self.backup_dir!r}"
             ) from too.reason
         if _cluster.is_chief():
             # The previous backup becomes the latest, as in Keras, so that the

@@ -36,9 +36,8 @@ class _TemplateFirst(type):
         template, args = args[0], args[1:]
         if not args and "filepath" not in kwargs:
             raise TypeError(
-                f"{cls.__name__} was given a model to save but no filepath. "
-                f"Pass the file after the model: {cls.__name__}(model, 'model.keras'). "
-                f"Received: template_model={template!r}"
+                f"{cls.__name__} got a model to save but no filepath. Pass one after the model: "
+                f"{cls.__name__}(model, 'model.keras'). Received: template_model={template!r}"
             )
         callback = super().__call__(*args, **kwargs)
         callback._template = unwrap(template)
@@ -122,20 +121,19 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
     ):
         if not isinstance(filepath, (str, os.PathLike)):
             raise TypeError(
-                "ParallelModelCheckpoint's filepath must be a path (a str or os.PathLike), in the "
-                "Keras 2 form after the keras.Model to save. Pass a path such as 'model.keras'. "
-                f"Received: filepath={filepath!r}"
+                "ParallelModelCheckpoint's filepath must be a path such as 'model.keras' "
+                f"(in the Keras 2 form, after the model). Received: filepath={filepath!r}"
             )
         check_local(filepath, "ParallelModelCheckpoint", "filepath")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(
-                "ParallelModelCheckpoint saves at the end of every epoch or every N batches. "
-                f"Pass save_freq='epoch' or a positive int. Received: save_freq={save_freq!r}"
+                "ParallelModelCheckpoint's save_freq must be 'epoch' or a positive int (batches "
+                f"between saves). Received: save_freq={save_freq!r}"
             )
         if not isinstance(monitor, str):
             raise TypeError(
-                "ParallelModelCheckpoint's monitor is the name of a logged metric. "
-                f"Pass a string such as 'val_loss'. Received: monitor={monitor!r}"
+                "ParallelModelCheckpoint's monitor must be the name of a logged metric, such as "
+                f"'val_loss'. Received: monitor={monitor!r}"
             )
         super().__init__(
             filepath, monitor, verbose, save_best_only, save_weights_only, mode, save_freq, initial_value_threshold
@@ -176,9 +174,9 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         # logs is legitimate; Keras warns at save time if it is missing.
         if self.save_best_only and self.mode == "auto" and self.monitor not in known:
             raise ValueError(
-                f"ParallelModelCheckpoint(save_best_only=True) monitors '{self.monitor}', which this "
-                f"model does not report: it reports {sorted(known)} (val_ ones with validation data). "
-                f"Pass monitor= one of those. Received: monitor={self.monitor!r}"
+                f"ParallelModelCheckpoint monitors '{self.monitor}', which this model does not report. "
+                f"Pass one of {sorted(known)} (val_ ones need validation data). "
+                f"Received: monitor={self.monitor!r}"
             )
         # Batch-level saves fill the filepath in from the batch's logs, which have no val_ metrics.
         available = (reported | {"batch"}) if self.save_freq != "epoch" else known
@@ -188,9 +186,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         missing = sorted(self._names - available)
         if missing:
             raise ValueError(
-                f"ParallelModelCheckpoint's filepath names {missing}, which {why}, so it cannot be "
-                f"filled in. Use names from {sorted(available)}, or an int save_freq for {{batch}}. "
-                f"Received: filepath={self.filepath!r}"
+                f"ParallelModelCheckpoint's filepath names {missing}, which {why}. Use names from "
+                f"{sorted(available)}, or an int save_freq for {{batch}}. Received: filepath={self.filepath!r}"
             )
 
     def _save_model(self, epoch, batch, logs):
@@ -210,7 +207,7 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         if os.path.isdir(filepath):
             raise IsADirectoryError(
                 f"ParallelModelCheckpoint's filepath, filled in, is the existing folder '{filepath}'. "
-                f"Remove that folder or change the filepath. Received: filepath={self.filepath!r}"
+                f"Remove it or change the filepath. Received: filepath={self.filepath!r}"
             )
         os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
         writer = self._saved.save_weights if self.save_weights_only else self._saved.save
@@ -240,10 +237,12 @@ def _fields(filepath: str) -> tuple[set, str]:
     try:
         path = filepath.format_map(trial)
     except (ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
+        # Refused here because every save would fail. Python's own error says
+        # which field is wrong, e.g. `{loss:d}`: logged values are floats.
         raise ValueError(
-            f"ParallelModelCheckpoint cannot fill in its filepath ({error}), so every save would fail. "
-            "Use named fields such as {epoch:02d} or {val_loss:.2f} (epoch and batch are ints, logged "
-            f"values floats; {{{{ is a literal brace). Received: filepath={filepath!r}"
+            f"ParallelModelCheckpoint cannot fill in its filepath ({error}). Use fields such as "
+            "{epoch:02d} or {val_loss:.2f}, and {{ for a literal brace. "
+            f"Received: filepath={filepath!r}"
         ) from None
     return trial.names, path
 
@@ -251,10 +250,11 @@ def _fields(filepath: str) -> tuple[set, str]:
 def check_local(path, caller: str, name: str) -> None:
     """Refuses remote paths (gs://, s3://, hdfs://), which atomic renames cannot serve."""
     if "://" in str(path):
+        # Each save renames a finished temporary over the target, which
+        # remote storage cannot do atomically.
         raise ValueError(
-            f"{caller} writes local files only, replacing them by renaming a finished temporary "
-            "file, which remote storage cannot do atomically. Write to a local or mounted folder "
-            f"and copy the files to remote storage from there. Received: {name}={path!r}"
+            f"{caller} writes local files only. Write to a local or mounted folder, and copy "
+            f"to remote storage from there. Received: {name}={path!r}"
         )
 
 
@@ -280,6 +280,6 @@ def check_target(path, caller: str, name: str, value, folder: bool = False) -> N
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(
-            f"{caller} cannot write into '{existing}': this process has no permission there. "
+            f"{caller} cannot write into '{existing}': permission denied. "
             f"Fix the folder's permissions or pick another folder. Received: {name}={value!r}"
         )

@@ -103,19 +103,19 @@ def _launch(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run_command(args)
     except KeyboardInterrupt:
         kept = f"; the rows written so far stay in {args.output}: run the same command to go on" if args.command == "predict" else ""
         print(f"kerasmulti: interrupted{kept}", file=sys.stderr)
         return INTERRUPTED
 
 
-def _run(args) -> int:
+def _run_command(args) -> int:
     import kerasmulti
 
     if args.command == "launch":
         try:
-            kerasmulti._import_public()  # TensorFlow, now that the arguments are known
+            kerasmulti._import_public()  # TensorFlow loads after parsing, so --help answers at once
             return _launch(args)
         except ValueError as error:
             print(f"kerasmulti: error: {error}", file=sys.stderr)

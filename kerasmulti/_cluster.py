@@ -88,10 +88,10 @@ def config() -> dict | None:
             raise KeyError("task")
     except (ValueError, KeyError, TypeError) as error:
         raise ClusterError(
-            "TF_CONFIG must be JSON like {\"cluster\": {\"worker\": [\"host1:port\", "
-            "\"host2:port\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}; "
-            "`kerasmulti launch` writes it for you. "
-            f"({type(error).__name__}: {error}) Received: TF_CONFIG={text!r}"
+            f"TF_CONFIG does not describe a cluster ({type(error).__name__}: {error}). Let "
+            "`kerasmulti launch` write it, or use the form "
+            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}. '
+            f"Received: TF_CONFIG={text!r}"
         ) from None
     tasks = sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
     return {"cluster": {job: spec.job_tasks(job) for job in spec.jobs}, "task": task} if tasks > 1 else None
@@ -159,9 +159,9 @@ def start(requested: bool | None = None) -> None:
     except Exception as error:  # reported where the cluster is first needed
         _start_error = error
         if type(error).__module__.startswith("tensorflow"):
-            # The join itself failed: TensorFlow cannot start in this process
-            # any more (its next op fails to start the gRPC server), so say
-            # why now.
+            # The join itself failed: TensorFlow's next op in this process
+            # would fail to start the gRPC server, so the reason is raised
+            # here rather than where the cluster is first needed.
             failure = _start_failure(config())
             if launched and _port_taken(error):
                 print(f"kerasmulti.ClusterError: {failure}", file=sys.stderr, flush=True)
@@ -216,9 +216,8 @@ def join_timeout() -> float:
         seconds = 0.0
     if not seconds > 0:
         raise ClusterError(
-            f"{ENV_JOIN_TIMEOUT} must be a positive number of seconds to wait for "
-            f"every worker of TF_CONFIG to start, e.g. {ENV_JOIN_TIMEOUT}=600. "
-            f"Received: {ENV_JOIN_TIMEOUT}={text!r}"
+            f"{ENV_JOIN_TIMEOUT} must be a positive number of seconds to wait for the workers, "
+            f"e.g. {ENV_JOIN_TIMEOUT}=600. Received: {ENV_JOIN_TIMEOUT}={text!r}"
         )
     return seconds
 
@@ -270,10 +269,8 @@ def strategy():
         if not _warned_unjoined:
             _warned_unjoined = True
             warnings.warn(
-                "TF_CONFIG names a cluster, but this process did not join it, so "
-                "parallelize() uses this process's devices only. To train across "
-                "the workers, call kerasmulti.initialize() first thing in the script "
-                "or start it with `kerasmulti launch`. "
+                "This process did not join the TF_CONFIG cluster; parallelize() uses its own devices. "
+                "Call kerasmulti.initialize() first thing, or use `kerasmulti launch`. "
                 f"Received: TF_CONFIG task={parsed['task']}",
                 stacklevel=3,
             )
@@ -282,45 +279,36 @@ def strategy():
 
 
 def _start_failure(parsed: dict) -> ClusterError:
+    # TensorFlow sets up multi-worker collectives only before its first op,
+    # so a process joins at `import kerasmulti` or `initialize()`, not later.
     if isinstance(_start_error, RuntimeError) and "program startup" in str(_start_error):
         return ClusterError(
-            "This process is a worker of a TF_CONFIG cluster, but TensorFlow had "
-            "already run when it tried to join, and multi-worker training "
-            "must be set up before TensorFlow's first op. Import kerasmulti (and "
-            "call kerasmulti.initialize()) at the top of the script, before "
-            f"building a model or creating any tensor. Received: TF_CONFIG task={parsed['task']}"
+            "TensorFlow ran before this worker joined its TF_CONFIG cluster. Call "
+            "kerasmulti.initialize() at the top of the script, before any model or tensor. "
+            f"Received: TF_CONFIG task={parsed['task']}"
         )
     if _start_error is None:
         return ClusterError(
-            "TF_CONFIG names a cluster, but it was not set when kerasmulti was "
-            "imported, and a process can join a cluster only then (before "
-            "TensorFlow's first op). Set TF_CONFIG before Python starts, e.g. "
-            "with `kerasmulti launch`. Received: TF_CONFIG task="
-            f"{parsed['task']}"
+            "TF_CONFIG was set after kerasmulti was imported, too late to join its cluster. "
+            f"Set it before Python starts, e.g. with `kerasmulti launch`. Received: TF_CONFIG task={parsed['task']}"
         )
     if isinstance(_start_error, ClusterError):
         return _start_error
     if _port_taken(_start_error):
         task = parsed["task"]
         return ClusterError(
-            f"This worker cannot listen on its address of TF_CONFIG, "
-            f"{parsed['cluster'][task['type']][task['index']]}: another process holds the port. "
-            "Free it or give the worker another port (under SLURM: kerasmulti launch --port). "
-            f"Received: TF_CONFIG task={task}"
+            f"This worker cannot listen on {parsed['cluster'][task['type']][task['index']]}: another "
+            "process holds the port. Free it, or give the worker another port (under SLURM: "
+            f"kerasmulti launch --port). Received: TF_CONFIG task={task}"
         )
     # TensorFlow's messages run long: their first sentence says what happened.
     reason = str(_start_error).strip().split(". ")[0].rstrip(".") or type(_start_error).__name__
     waited = ""
     if type(_start_error).__name__ in ("DeadlineExceededError", "AbortedError"):
-        waited = (
-            f" Not every worker joined within {join_timeout():g} s; to wait longer, "
-            f"set {ENV_JOIN_TIMEOUT} (seconds)."
-        )
+        waited = f" Not every worker joined within {join_timeout():g} s (set {ENV_JOIN_TIMEOUT} to wait longer)."
     return ClusterError(
-        "This process is a worker of a TF_CONFIG cluster, but joining the "
-        f"cluster failed: {reason}.{waited} Check that every worker in "
-        "TF_CONFIG was started (`kerasmulti launch` starts them all) and can "
-        f"reach the others. Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
+        f"Joining the TF_CONFIG cluster failed: {reason}.{waited} Check that every worker was started "
+        f"and can reach the others. Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
     )
 
 

@@ -90,7 +90,7 @@ def known_devices() -> list[str]:
 _KNOWN = None
 
 
-def _describe(devices: Sequence[str]) -> str:
+def _count_and_names(devices: Sequence[str]) -> str:
     return f"{len(devices)} ({', '.join(devices)})"
 
 
@@ -127,8 +127,7 @@ def simulate_devices(n: int) -> list[str]:
     """
     if not is_positive_int(n):
         raise ValueError(
-            "simulate_devices() expects a positive int, the number of logical "
-            f"CPU devices to create. Received: n={n!r}"
+            f"simulate_devices() needs a positive int: how many logical CPU devices to make. Received: n={n!r}"
         )
     _configure(n)
     if tf.config.list_physical_devices("GPU"):  # listing physical devices initialises nothing
@@ -154,13 +153,11 @@ def _configure(n: int) -> None:
         existing = len(tf.config.list_logical_devices("CPU"))
         if existing == n:
             return  # already as asked
+        # TensorFlow fixes its logical devices when it first initialises them.
         raise RuntimeError(
-            f"simulate_devices({n}) came too late: TensorFlow has already "
-            f"initialised {existing} CPU device(s) in this process, and they "
-            "cannot change afterwards. Call kerasmulti.simulate_devices() first "
-            "thing, before any model or tensor is created, or set the "
-            f"environment variable {ENV_SIMULATE}={n} before starting Python "
-            f"(in a notebook: restart the kernel). Received: n={n}"
+            f"simulate_devices({n}) came too late: TensorFlow already made {existing} CPU device(s). "
+            f"Restart Python (or the kernel) and call it first, or set {ENV_SIMULATE}={n} beforehand. "
+            f"Received: n={n}"
         ) from error
 
 
@@ -174,8 +171,8 @@ def _simulate_from_environment() -> None:
         n = None
     if n is None or n < 1:
         raise ValueError(
-            f"The environment variable {ENV_SIMULATE} must be a positive int, "
-            f"the number of logical CPU devices. Received: {ENV_SIMULATE}={value!r}"
+            f"{ENV_SIMULATE} must be a positive int, the number of logical CPU devices. "
+            f"Received: {ENV_SIMULATE}={value!r}"
         )
     try:
         _configure(n)
@@ -192,7 +189,7 @@ def _check_count(caller: str, n: int, devices: list[str]) -> None:
         )
         raise DeviceError(
             f"{caller} was asked for {n} devices but this machine has "
-            f"{_describe(devices)}. Pass gpus={len(devices)}{simulate}. Received: gpus={n}"
+            f"{_count_and_names(devices)}. Pass gpus={len(devices)}{simulate}. Received: gpus={n}"
         )
 
 
@@ -209,9 +206,8 @@ def resolve_devices(
     existing = available_devices()
     if gpus is not None and devices is not None:
         raise DeviceError(
-            f"{caller} takes either gpus= or devices=, not both. Pass gpus= to "
-            "pick replicas by count or id, or devices= for explicit TensorFlow "
-            f"device names. Received: gpus={gpus!r}, devices={devices!r}"
+            f"{caller} takes either gpus= or devices=, not both: gpus= picks devices by count or "
+            f"id, devices= by name. Received: gpus={gpus!r}, devices={devices!r}"
         )
     if devices is not None:
         return _resolve_names(devices, caller)
@@ -219,16 +215,15 @@ def resolve_devices(
         return existing
     if not (_is_int(gpus) or isinstance(gpus, (list, tuple))):
         raise DeviceError(
-            f"{caller} expects gpus to be a positive int (how many devices), a "
-            "list of device ids such as [0, 1], or None for all "
-            f"{_describe(existing)} available devices. Received: gpus={gpus!r}"
+            f"{caller} expects gpus as a positive int, a list of device ids such as [0, 1], or "
+            f"None for all {_count_and_names(existing)} devices. Received: gpus={gpus!r}"
         )
     if _is_int(gpus):
         gpus = int(gpus)
         if gpus < 1:
             raise DeviceError(
                 f"{caller} needs at least one device; gpus must be 1 or more "
-                f"(this machine has {_describe(existing)}). Received: gpus={gpus}"
+                f"(this machine has {_count_and_names(existing)}). Received: gpus={gpus}"
             )
         _check_count(caller, gpus, existing)
         return existing[:gpus]
@@ -236,19 +231,19 @@ def resolve_devices(
     if not ids or not all(_is_int(i) for i in ids):
         raise DeviceError(
             f"{caller} expects gpus as a non-empty list of int device ids, "
-            f"e.g. [0, 1]; this machine has {_describe(existing)}. "
+            f"e.g. [0, 1]; this machine has {_count_and_names(existing)}. "
             f"Received: gpus={gpus!r}"
         )
     if len(set(ids)) != len(ids):
         raise DeviceError(
-            f"{caller} got the same device id twice; each replica needs its "
-            f"own device. Remove the duplicates. Received: gpus={gpus!r}"
+            f"{caller} got the same device id twice; each replica needs its own. "
+            f"Remove the duplicates. Received: gpus={gpus!r}"
         )
     missing = [i for i in ids if not 0 <= i < len(existing)]
     if missing:
         raise DeviceError(
             f"{caller} was asked for device id(s) {missing} that do not exist; "
-            f"this machine has {_describe(existing)}, ids 0 to "
+            f"this machine has {_count_and_names(existing)}, ids 0 to "
             f"{len(existing) - 1}. Received: gpus={gpus!r}"
         )
     return [existing[int(i)] for i in ids]
@@ -261,10 +256,8 @@ def _known_name(name, known: list[str], caller: str, received: str) -> str:
         canonical = None
     if canonical not in known:
         raise DeviceError(
-            f"{caller} got a device that does not exist on this machine. "
-            f"Known devices: {', '.join(known)}. Use one of these names, or "
-            "kerasmulti.simulate_devices(n) before TensorFlow starts for "
-            f"more CPU devices. Received: {received}"
+            f"{caller} got a device that does not exist here. Known devices: {', '.join(known)}. "
+            f"Use one of these, or kerasmulti.simulate_devices(n) at startup for more CPUs. Received: {received}"
         )
     return canonical
 
@@ -291,7 +284,7 @@ def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
     names = [_known_name(name, known, caller, f"devices={list(devices)!r}") for name in devices]
     if len(set(names)) != len(names):
         raise DeviceError(
-            f"{caller} got the same device twice; each replica needs its own "
-            f"device. Remove the duplicates. Received: devices={list(devices)!r}"
+            f"{caller} got the same device twice; each replica needs its own. "
+            f"Remove the duplicates. Received: devices={list(devices)!r}"
         )
     return names

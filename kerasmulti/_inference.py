@@ -151,13 +151,13 @@ def parallel_predict(
     """
     if not is_positive_int(batch_size):
         raise ValueError(
-            "parallel_predict() needs batch_size to be a positive int, the rows "
-            f"predicted per step. Received: batch_size={batch_size!r}"
+            "parallel_predict() needs batch_size as a positive int (rows per step). "
+            f"Received: batch_size={batch_size!r}"
         )
     if steps is not None and not is_positive_int(steps):
         raise ValueError(
-            "parallel_predict() needs steps to be a positive int, the batches to "
-            f"predict, or None for all of them. Received: steps={steps!r}"
+            "parallel_predict() needs steps as a positive int (batches to predict) or None (all of "
+            f"them). Received: steps={steps!r}"
         )
     if output is not None:
         output = _output_file.check_path(output)
@@ -171,14 +171,13 @@ def parallel_predict(
     source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(
-            "parallel_predict() got an input with no rows, so there is nothing "
-            "to predict. Pass data with at least one row. Received: 0 rows"
+            "parallel_predict() got an input with no rows. Pass data with at least one row. Received: 0 rows"
         )
     _sources.check_inputs(template, source.sample())
     verbose = 1 if verbose == "auto" else verbose
     predict = _predictor(parallel)
     if output is None:
-        collected = [batch for batch, _ in _run(predict, source, 0, batch_size, verbose)]
+        collected = [batch for batch, _ in _predicted_batches(predict, source, 0, batch_size, verbose)]
         return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
     _output_file.check_not_input(data, output)
     _stream(predict, template, source, output, batch_size, verbose, extra or {})
@@ -187,12 +186,11 @@ def parallel_predict(
 
 def _refuse_on_other_workers(output: str) -> None:
     if not _cluster.is_chief():
+        # Every worker writing one file would clobber it.
         raise _cluster.ClusterError(
-            "parallel_predict() writes its output file on the chief (worker 0) "
-            "only: every worker writing the same file would clobber it. Call it "
-            "with output= on worker 0 alone, or give each worker its own file "
-            "and data. Received: output="
-            f"{output!r} on worker {_cluster.config()['task']['index']}"
+            "parallel_predict() writes output= on the chief (worker 0) only. Pass output= there "
+            "alone, or give each worker its own file. "
+            f"Received: output={output!r} on worker {_cluster.config()['task']['index']}"
         )
 
 
@@ -222,7 +220,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
         _output_file.create(output, source.rows, spec, names, attributes, extra)
     with _output_file.open_existing(output, attributes) as f:
         done = _output_file.rows_done(f)
-        for batch, (begin, end) in _run(predict, source, done, batch_size, verbose):
+        for batch, (begin, end) in _predicted_batches(predict, source, done, batch_size, verbose):
             values = [np.asarray(v) for v in tree.flatten(batch)]
             for name, value in zip(names, values):  # all checked before any is written
                 if value.shape[1:] != f[name].shape[1:]:
@@ -261,12 +259,12 @@ def _check_row_shapes(template, source, sample, names, spec, output) -> None:
 
 
 def _row_shape_changed(name, first, shape, row, output) -> ValueError:
+    # With output=None the batches are joined into a tf.RaggedTensor, as
+    # model.predict joins them.
     return ValueError(
-        f"Output '{name}' has rows of shape {tuple(first)} in the first batch but "
-        f"{tuple(shape)} from row {row}, and the HDF5 file '{output}' holds one row "
-        "shape per output. Pad the input to one shape (padded_batch(..., "
-        "padded_shapes=...)), or pass output=None to get a tf.RaggedTensor, as "
-        f"model.predict returns. Received: output={output!r}"
+        f"Output '{name}' has rows of shape {tuple(first)} in the first batch but {tuple(shape)} "
+        f"from row {row}, and an HDF5 output holds one row shape. Pad the input to one shape, or "
+        f"pass output=None. Received: output={output!r}"
     )
 
 
@@ -311,7 +309,7 @@ def _predictor(parallel):
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 
 
-def _run(predict, source, start, batch_size, verbose):
+def _predicted_batches(predict, source, start, batch_size, verbose):
     """Yields (predictions, (first_row, end_row)) batch by batch from `start`."""
     bar = keras.utils.Progbar(source.rows, verbose=verbose, unit_name="row", stateful_metrics=["rows/s"])
     begin_time, row = time.perf_counter(), start
@@ -328,9 +326,9 @@ def _run(predict, source, start, batch_size, verbose):
         bar.update(end, values=[("rows/s", rate)])
         row = end
     if source.rows is not None and row != source.rows:
+        # Some inputs are read twice: once to count their rows, then to predict.
         raise ValueError(
-            f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but "
-            f"{source.rows} were counted before predicting: parallel_predict() reads "
-            "some inputs more than once, and they must give the same rows each time. "
+            f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but {source.rows} "
+            "were counted before predicting. Make it give the same rows each time it is read. "
             f"Received: rows={row}, counted={source.rows}"
         )

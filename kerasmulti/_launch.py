@@ -79,22 +79,22 @@ def launch(
     """
     if not callable(function):
         raise LaunchError(
-            "launch() runs a function in every worker; pass the function itself, "
-            f"not its result. Received: function={function!r}"
+            "launch() needs the function each worker runs: pass the function itself, not its "
+            f"result. Received: function={function!r}"
         )
     if not isinstance(args, (tuple, list)):
         raise LaunchError(
-            "launch() calls function(*args) in every worker: pass args as a tuple "
-            f"or list, e.g. args=(x,), and the number of workers as workers=. Received: args={args!r}"
+            "launch()'s args must be a tuple or list, e.g. args=(x,); the number of workers goes "
+            f"in workers=. Received: args={args!r}"
         )
     check_workers(workers, devices_per_worker)
     if _tensorflow_started():
+        # Workers are forks of this process, and a process can join a
+        # cluster only before TensorFlow's first op.
         raise RuntimeError(
-            "launch() cannot start workers from this process: TensorFlow has "
-            "already run here, and a worker (a copy of this process) can only "
-            "join a cluster before TensorFlow's first op. Restart the kernel, "
-            "then call launch() before building any model or tensor: put that "
-            "code inside the function. Received: TensorFlow initialised=True"
+            "launch() cannot start workers: TensorFlow already ran in this process. Restart the "
+            "kernel and call launch() first, building models inside the function. "
+            "Received: TensorFlow initialised=True"
         )
     gpus = gpus_per_worker(workers, devices_per_worker, physical_gpus(fork_safe=True) if devices_per_worker else 0)
     context = multiprocessing.get_context("fork")
@@ -122,11 +122,9 @@ def launch(
         receiver.join()
         if receiver.error is not None:
             raise RuntimeError(
-                f"Worker {index} finished, but what its function returned cannot be "
-                "rebuilt in this process (it is unpickled here, and "
-                f"{type(receiver.error).__name__}: {receiver.error}). Return plain "
-                "data: numbers, arrays, dicts and lists, e.g. history.history rather "
-                f"than the History object. Received: error={type(receiver.error).__name__}"
+                f"Worker {index} finished, but its return value cannot be unpickled here "
+                f"({type(receiver.error).__name__}: {receiver.error}). Return plain data, e.g. "
+                f"history.history rather than the History object. Received: error={type(receiver.error).__name__}"
             )
     return [receivers[index].value for index in range(workers)]
 

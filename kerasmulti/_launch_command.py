@@ -27,11 +27,11 @@ def run(args) -> int:
     if args.workers is not None:
         return run_workers(command, args.workers, args.devices_per_worker)
     if args.devices_per_worker is not None:
+        # It splits the GPUs of this machine among the workers --workers starts.
         raise LaunchError(
-            "--devices-per-worker splits this machine's GPUs among the workers "
-            "--workers starts here; one worker of a real cluster uses the GPUs it "
-            "sees (set CUDA_VISIBLE_DEVICES; under srun, --gpus-per-task). Drop "
-            f"--devices-per-worker. Received: devices_per_worker={args.devices_per_worker}"
+            "--devices-per-worker works with --workers only; a worker of a real cluster uses the "
+            "GPUs it sees (CUDA_VISIBLE_DEVICES). Drop --devices-per-worker. "
+            f"Received: devices_per_worker={args.devices_per_worker}"
         )
     if args.hosts is not None:
         config = tf_config(parse_hosts(args.hosts, args.index), args.index)
@@ -41,9 +41,8 @@ def run(args) -> int:
         config = slurm_tf_config(args.port)
     else:
         raise LaunchError(
-            "kerasmulti launch needs to know the workers: pass --workers N for N on "
-            "this machine, or --hosts with --index for one of a real cluster, or run "
-            "it under srun (one task per worker) or with TF_CONFIG set. Received: workers=None"
+            "kerasmulti launch needs to know the workers. Pass --workers N, or --hosts with --index, "
+            "or run it under srun or with TF_CONFIG set. Received: workers=None"
         )
     return run_one(command, {**os.environ, ENV_CONFIG: config, ENV_JOIN: "1"})
 
@@ -56,14 +55,13 @@ def _check_combination(args) -> None:
         )
     if args.index is not None and args.hosts is None:
         raise LaunchError(
-            "--index says which of the --hosts this machine is; without --hosts it "
-            "means nothing. Pass --hosts with it, or drop it (--workers numbers the "
-            f"local workers itself). Received: index={args.index}"
+            "--index says which of the --hosts this machine is, so it needs --hosts. Pass --hosts "
+            f"too, or drop --index. Received: index={args.index}"
         )
     slurm = in_slurm_step() and args.workers is None and args.hosts is None and not os.environ.get(ENV_CONFIG)
     if args.port is not None and not (slurm and 0 < args.port < 65536):
+        # Elsewhere --workers picks free ports and --hosts names them.
         raise LaunchError(
-            "--port sets the first port of a SLURM job step's workers on each node, "
-            "from 1 to 65535; elsewhere --workers picks free ports and --hosts names "
-            f"them. Run it under srun, or drop --port. Received: port={args.port}"
+            "--port (1 to 65535) sets the first port of a SLURM job step's workers, so it needs "
+            f"srun. Run it under srun, or drop --port. Received: port={args.port}"
         )

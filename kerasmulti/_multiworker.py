@@ -72,11 +72,11 @@ class WorkerModel(ParallelModel):
         """
         steps = kwargs.get("steps_per_execution", 1)
         if steps != 1:
+            # With several, TensorFlow 2.21's multi-worker step fails on an
+            # unfed placeholder.
             raise ValueError(
-                "parallelize() across workers runs one step per execution: with "
-                "several, TensorFlow 2.21's multi-worker step fails on an unfed "
-                "placeholder. Leave steps_per_execution at 1. "
-                f"Received: steps_per_execution={steps!r}"
+                "parallelize() across workers runs one step per execution. Leave "
+                f"steps_per_execution at 1. Received: steps_per_execution={steps!r}"
             )
         with self._strategy.scope():
             super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
@@ -274,22 +274,22 @@ def _lost_workers_explained(what: str):
     try:
         yield
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
+        # The others cannot go on without its part of every step.
         raise _cluster.ClusterError(
-            f"Multi-worker {what} stopped because a worker of the cluster is "
-            "gone (killed, crashed or unreachable); the others cannot go on "
-            "without its part of every step. Start the whole job again: with "
-            "kerasmulti.ParallelBackupAndRestore among the callbacks it resumes "
-            f"from the last epoch saved. Received: error={type(error).__name__}({_cause(error)!r})"
+            f"Multi-worker {what} stopped: a worker is gone (killed, crashed or unreachable). Start "
+            "the whole job again (ParallelBackupAndRestore resumes it from the last backup). "
+            f"Received: error={type(error).__name__}({_cause(error)!r})"
         ) from error
 
 
-def _rows(x):
+def _replica_rows(x):
+    """The rows of this replica's batch, as a scalar tensor."""
     return tf.shape(tree.flatten(x)[0])[0]
 
 
 def _share(x):
     """This replica's share of the global batch's rows, and its rows (float32)."""
-    rows = tf.cast(_rows(x), "float32")
+    rows = tf.cast(_replica_rows(x), "float32")
     total = tf.distribute.get_replica_context().all_reduce("sum", rows)
     return tf.math.divide_no_nan(rows, total), rows
 

@@ -13,8 +13,8 @@ device runs that layer wherever the model runs, after one warning.
 Its config (`get_config`) names the wrapped layer so that wrappers sharing
 one layer share it again within one load. `model.save` of a functional or
 Sequential model writes no `OnDevice` config at all (see `_portable`); this
-form remains for models Keras rebuilds from their own code, for
-`get_config`/`clone_model`, and for files saved by kerasmulti 0.1.
+form serves models Keras rebuilds from their own code, `get_config` and
+`clone_model`, and files saved by kerasmulti 0.1.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ class OnDevice(keras.layers.Layer):
         if self.device not in _warned:
             _warned.add(self.device)
             warnings.warn(
-                f"Layer '{self.layer.name}' is placed on {self.device}, which this "
-                f"machine does not have (it has {', '.join(sorted(known))}); it "
-                "runs where the rest of the model runs. To choose, call "
-                "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}).",
+                f"Layer '{self.layer.name}' is placed on {self.device}, which this machine does not "
+                f"have (it has {', '.join(sorted(known))}); it runs with the rest of the model. Move it with "
+                "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}). "
+                f"Received: device={self.device!r}",
                 stacklevel=3,
             )
         return contextlib.nullcontext()
@@ -154,8 +154,8 @@ def _shared_layer(layer_config, layer_id):
     Within one load (Keras' object-sharing map exists then) wrappers with
     the same `layer_id` get the same layer; the first of them in the file
     holds its config. Files from kerasmulti 0.1 hold the config in every
-    wrapper and number layers by their memory address, or, before that,
-    match wrappers by layer name.
+    wrapper and number layers by their memory address; wrappers with no
+    number are matched by layer name.
     """
     loaded = global_state.get_global_attribute("shared_objects/id_to_obj_map")
     if layer_id is None and layer_config is not None:
@@ -165,8 +165,7 @@ def _shared_layer(layer_config, layer_id):
         return loaded[key]
     if layer_config is None:
         raise ValueError(
-            "This OnDevice layer's config refers to a layer that another wrapper "
-            "of the same file holds, and that wrapper was not loaded first. Load "
+            "This OnDevice layer shares its layer with a wrapper that was not loaded first. Load "
             f"the whole model with keras.models.load_model. Received: layer_id={layer_id!r}"
         )
     layer = keras.saving.deserialize_keras_object(layer_config)

@@ -36,22 +36,19 @@ def check_path(output) -> str:
     """The output path as a string; refuses what cannot name a file to write."""
     if not isinstance(output, (str, os.PathLike)):
         raise TypeError(
-            "parallel_predict() writes its results to output=, the path of an HDF5 "
-            "file, or returns them with output=None. Received: "
-            f"output={output!r}"
+            "parallel_predict()'s output must be the path of an HDF5 file, or None to return the "
+            f"results. Received: output={output!r}"
         )
     path = os.fspath(output)
     if not path:
         raise ValueError(
-            "parallel_predict() got an empty output path. Pass the HDF5 file to "
-            "write, e.g. output='features.h5', or output=None to get the results "
-            "back. Received: output=''"
+            "parallel_predict() got an empty output path. Pass an HDF5 file such as 'features.h5', "
+            "or None. Received: output=''"
         )
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ValueError(
-            f"parallel_predict() got the folder '{path}' as output, and it writes one "
-            f"HDF5 file. Name the file, e.g. output={os.path.join(path, 'features.h5')!r}. "
-            f"Received: output={path!r}"
+            f"parallel_predict() got the folder '{path}' as output. Name an HDF5 file, e.g. "
+            f"output={os.path.join(path, 'features.h5')!r}. Received: output={path!r}"
         )
     return path
 
@@ -64,8 +61,7 @@ def check_not_input(data, output: str) -> None:
         file = getattr(getattr(leaf, "file", None), "filename", None) or getattr(leaf, "filename", None)
         if isinstance(file, (str, os.PathLike)) and os.path.exists(file) and os.path.samefile(file, output):
             raise ValueError(
-                f"parallel_predict() would write its results into '{output}', the "
-                "file it reads its input from, which would destroy the input. "
+                f"parallel_predict() would overwrite '{output}', the file it reads its input from. "
                 f"Choose another output path. Received: output={output!r}"
             )
 
@@ -101,8 +97,8 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
         code = errno.ENOTDIR if error.errno == errno.EEXIST else error.errno
         reason = os.strerror(code) if code else "it could not be written"
         raise ValueError(
-            f"parallel_predict() could not create '{path}' ({reason}). Check that its "
-            f"folder can be made and written to, or choose another path. Received: output={path!r}"
+            f"parallel_predict() could not create '{path}' ({reason}). Make its folder writable, "
+            f"or choose another path. Received: output={path!r}"
         ) from error
 
 
@@ -128,26 +124,23 @@ def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
         raise _damaged(path) from error
     if not ours:
         raise ValueError(
-            f"'{path}' is an HDF5 file that parallel_predict() did not write, and it "
-            "will not write over it. Choose another output path, or delete the file. "
-            f"Received: output={path!r}"
+            f"'{path}' is an HDF5 file that parallel_predict() did not write, so it is left alone. "
+            f"Choose another output path, or delete the file. Received: output={path!r}"
         )
     for key, value in attributes.items():
         if written[key] != value:
             what = "model" if key == MODEL else "input"
+            # Adding rows of another model or input would corrupt it silently.
             raise ValueError(
-                f"parallel_predict() will not add to '{path}': it holds results "
-                f"of a different {what}, and mixing them would silently corrupt "
-                "it. Delete the file or choose another output path to start "
-                f"over. Received: output={path!r}"
+                f"parallel_predict() will not add to '{path}': it holds results of a different {what}. "
+                f"Delete the file or choose another output path. Received: output={path!r}"
             )
 
 
 def _damaged(path: str) -> ValueError:
     return ValueError(
-        f"'{path}' is damaged: it is not a readable HDF5 file, so parallel_predict() "
-        "cannot resume it. Delete it, or move it away, to start over. "
-        f"Received: output={path!r}"
+        f"'{path}' is damaged (not a readable HDF5 file), so parallel_predict() cannot resume it. "
+        f"Delete or move it to start over. Received: output={path!r}"
     )
 
 

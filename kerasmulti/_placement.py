@@ -131,7 +131,7 @@ def _old_device(name) -> str:
         spec = None
     if spec is None or spec.device_type is None or spec.device_index is None:
         raise ValueError(
-            "remap_devices() got an old device name that is not a TensorFlow device "
-            f"name; use the form '/gpu:1' or '/device:GPU:1'. Received: device={name!r}"
+            "remap_devices() got an old device that is not a TensorFlow device name, such as "
+            f"'/gpu:1'. Received: device={name!r}"
         )
     return _canonical(name)

@@ -94,10 +94,10 @@ def strip_placement(model: keras.Model) -> keras.Model:
     if not _placed(model):
         return model
     if not _rebuildable(model):
+        # Only functional and Sequential graphs can be rebuilt without their wrappers.
         raise ValueError(
-            "strip_placement() rebuilds functional and Sequential models, but this "
-            "model has placed layers inside a subclassed model or layer. Remove "
-            f"on_device() from that class's code instead. Received: model={model.name!r}"
+            "strip_placement() cannot strip layers placed inside a subclassed model or layer. "
+            f"Remove on_device() from that class's code instead. Received: model={model.name!r}"
         )
     with _scopes.suspended():
         plain = _plain(model, {}, record=False)

@@ -22,14 +22,13 @@ from kerasmulti import _output_file
 from kerasmulti._inference import parallel_predict
 
 
-def _load_model(path: str):
+def _model_from_file(path: str):
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "saved_model.pb")):
             raise ValueError(
-                f"'{path}' is a TensorFlow SavedModel folder, which Keras 3 cannot load "
-                "with load_model. Save the model as a .keras file with the Keras that "
-                "made it (model.save('model.keras')), or wrap the folder in "
-                f"keras.layers.TFSMLayer in a model and save that. Received: model={path!r}"
+                f"'{path}' is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as "
+                "a .keras file with the Keras that made it, or wrap it in keras.layers.TFSMLayer. "
+                f"Received: model={path!r}"
             )
         raise ValueError(f"'{path}' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model={path!r}")
     if not os.path.isfile(path):
@@ -68,10 +67,10 @@ def _npy_input(path: str) -> np.ndarray:
         return np.load(path, mmap_mode="r")
     except (ValueError, OSError, EOFError) as error:  # numpy's advises allow_pickle
         if _holds_objects(path):
+            # Unpickling can run code.
             raise ValueError(
-                f"'{path}' holds Python objects (an object array), which kerasmulti does not "
-                "load: unpickling can run code. Save a numeric array with numpy.save. "
-                f"Received: input={path!r}"
+                f"'{path}' holds Python objects, which kerasmulti does not unpickle. Save a numeric "
+                f"array with numpy.save. Received: input={path!r}"
             ) from error
         raise ValueError(
             f"'{path}' is damaged: it is not a readable .npy file. Write it again with "
@@ -108,8 +107,8 @@ class ImageFolder(keras.utils.PyDataset):
             importlib.import_module("PIL.Image")  # what keras.utils.load_img reads with
         except ImportError as error:
             raise ValueError(
-                "Reading a folder of images needs Pillow, which is not installed. "
-                f"Install it with: pip install 'kerasmulti[images]'. Received: input={folder!r}"
+                "Reading a folder of images needs Pillow. Install it with: "
+                f"pip install 'kerasmulti[images]'. Received: input={folder!r}"
             ) from error
         self.paths = sorted(
             os.path.join(folder, name)
@@ -135,10 +134,12 @@ class ImageFolder(keras.utils.PyDataset):
         try:
             image = keras.utils.load_img(path, target_size=self.size, color_mode=self.color_mode)
         except (OSError, ValueError) as error:  # Pillow's names a buffer, not the file
+            # Replacing or removing an image changes the input, and an output
+            # file begun on the old input is refused (its fingerprint differs).
             raise ValueError(
                 f"The image '{path}' could not be read: it is damaged or not an image "
-                f"({type(error).__name__}). Replace it, or move it out of the folder and "
-                f"start a new output file. Received: image={path!r}"
+                f"({type(error).__name__}). Replace or remove it, and start a new output file. "
+                f"Received: image={path!r}"
             ) from error
         return keras.utils.img_to_array(image)
 
@@ -157,7 +158,7 @@ def _image_input(args, model, extra: dict):
 
 
 def run(args) -> int:
-    model = _load_model(args.model)
+    model = _model_from_file(args.model)
     if not os.path.exists(args.input):
         raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
     extra = {}

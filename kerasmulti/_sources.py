@@ -68,9 +68,8 @@ class ArraySource(Source):
         for array in tree.flatten(data):
             if len(array.shape) == 0:
                 raise ValueError(
-                    "parallel_predict() reads arrays of rows, one per sample, and got a "
-                    "single value (a 0-d array). Give it a batch axis, e.g. "
-                    f"np.expand_dims(x, 0). Received: shape={array.shape}"
+                    "parallel_predict() got a single value (a 0-d array), not rows. Add a batch "
+                    f"axis, e.g. np.expand_dims(x, 0). Received: shape={array.shape}"
                 )
         sizes = {len(a) for a in tree.flatten(data)}
         if len(sizes) != 1:
@@ -124,7 +123,7 @@ class BatchedSource(Source):
             for batch in self._raw():
                 leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
                 self._note_row_shapes(batch, row)
-                self.sizes.append(_rows(batch))
+                self.sizes.append(_row_count(batch))
                 row += self.sizes[-1]
                 hashes = hashes or [hashlib.sha256(f"{a.shape[1:]}{a.dtype}".encode()) for a in leaves]
                 for digest, array in zip(hashes, leaves):
@@ -136,14 +135,13 @@ class BatchedSource(Source):
                 n = steps if n is None else min(n, steps)
             if n is None:
                 raise ValueError(
-                    "parallel_predict() got a PyDataset without a length (its "
-                    "`num_batches` is None), so it would never finish. Give it a "
-                    "`__len__`, or pass steps=. Received: data.num_batches=None"
+                    "parallel_predict() got a PyDataset without a length. Give it a `__len__`, "
+                    "or pass steps=. Received: data.num_batches=None"
                 )
             first = _inputs_of(data[0]) if n else None
             last = _inputs_of(data[n - 1]) if n > 1 else first
-            full = _rows(first) if n else 0
-            self.sizes = [full] * (n - 1) + ([_rows(last)] if n else [])
+            full = _row_count(first) if n else 0
+            self.sizes = [full] * (n - 1) + ([_row_count(last)] if n else [])
             if n:
                 self._note_row_shapes(first, 0)
                 self._note_row_shapes(last, full * (n - 1))
@@ -169,7 +167,7 @@ class BatchedSource(Source):
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         skip = start - int(self._starts[first])
         for index, batch in enumerate(self._raw(first), first):
-            rows = _rows(batch)
+            rows = _row_count(batch)
             expected = self.sizes[index] if index < len(self.sizes) else 0
             if rows != expected:
                 raise ValueError(self._changed_batch(index, rows, expected))
@@ -178,18 +176,17 @@ class BatchedSource(Source):
 
     def _changed_batch(self, index, rows, expected) -> str:
         if isinstance(self.data, tf.data.Dataset):
+            # A pipeline is read twice: to count its rows, then to predict.
             return (
-                f"The tf.data.Dataset gave other batches when read again: batch {index} "
-                f"has {rows} rows now and had {expected}. parallel_predict() reads it "
-                "twice (to count its rows, then to predict), so it must yield the same "
-                "batches each time: shuffle with reshuffle_each_iteration=False, or "
-                f"not at all. Received: batch={index}, rows={rows}"
+                f"The tf.data.Dataset gave other batches when read again: batch {index} has {rows} "
+                f"rows now and had {expected}. Make it repeatable (reshuffle_each_iteration=False). "
+                f"Received: batch={index}, rows={rows}"
             )
+        # A PyDataset's rows are counted from its first and last batch, as
+        # Keras' contract says every batch but the last is full.
         return (
-            f"PyDataset batch {index} has {rows} rows, but parallel_predict() expects "
-            f"{expected}: as in Keras, every batch but the last must be as large as "
-            "the first (the rows are counted from the first and last batch). Make "
-            f"the batches equal. Received: batch={index}, rows={rows}"
+            f"PyDataset batch {index} has {rows} rows, but parallel_predict() expects {expected}. "
+            f"Make every batch but the last as large as the first. Received: batch={index}, rows={rows}"
         )
 
     def sample(self):
@@ -238,9 +235,8 @@ class StreamedSource(Source):
 def _refuse_endless(data: tf.data.Dataset) -> None:
     if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
-            "parallel_predict() got a tf.data.Dataset that never ends (it "
-            "repeats), so it would never finish. Pass steps= (the batches to "
-            "predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
+            "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= (the batches "
+            "to predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
         )
 
 
@@ -263,7 +259,8 @@ def _inputs_of(batch):
     return batch
 
 
-def _rows(batch) -> int:
+def _row_count(batch) -> int:
+    """The rows in `batch`: the length of its first array."""
     return len(tree.flatten(batch)[0])
 
 
@@ -272,7 +269,7 @@ def _head(batches: Iterator, n: int):
     parts, got = [], 0
     for batch in batches:
         parts.append(tree.map_structure(lambda a: np.asarray(a)[: n - got], batch))
-        got += _rows(parts[-1])
+        got += _row_count(parts[-1])
         if got >= n:
             break
     return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)
@@ -365,9 +362,8 @@ def check_inputs(model, sample) -> None:
     )
     if not fits:
         raise ValueError(
-            f"The input rows do not fit model '{model.name}': it expects rows of "
-            f"shape {_shapes(expected)}, the data has rows of shape {_shapes(got)}. "
-            f"Reshape or resize the data to the model's input. Received: row shapes {_shapes(got)}"
+            f"The input rows do not fit model '{model.name}': it expects rows of shape "
+            f"{_shapes(expected)}. Reshape or resize the data to fit. Received: row shapes {_shapes(got)}"
         )
 
 

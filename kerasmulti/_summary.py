@@ -84,7 +84,7 @@ def _own_nodes(model) -> set | None:
     return getattr(graph, "_nodes", None)
 
 
-def _describe(model, prefix: str, rows: list, crossings: list, owners: dict) -> None:
+def _add_rows(model, prefix: str, rows: list, crossings: list, owners: dict) -> None:
     """Adds a row per layer of `model`, and its crossings; sub-models are opened.
 
     A sub-model that is not wrapped as a whole is listed layer by layer
@@ -94,7 +94,7 @@ def _describe(model, prefix: str, rows: list, crossings: list, owners: dict) -> 
     nodes = _own_nodes(model)
     for layer in model.layers:
         if isinstance(layer, keras.Model) and _own_nodes(layer) is not None:
-            _describe(layer, f"{prefix}{layer.name}/", rows, crossings, owners)
+            _add_rows(layer, f"{prefix}{layer.name}/", rows, crossings, owners)
             continue
         inner = layer.layer if isinstance(layer, OnDevice) else layer
         name = prefix + layer.name
@@ -157,6 +157,6 @@ def placement_summary(model: keras.Model) -> PlacementSummary:
             f"Received: model={type(model).__name__}"
         )
     rows, crossings = [], []
-    _describe(model, "", rows, crossings, {})
+    _add_rows(model, "", rows, crossings, {})
     return PlacementSummary(rows, crossings)
 

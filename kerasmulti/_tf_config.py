@@ -130,12 +130,10 @@ def gpus_per_worker(workers: int, devices_per_worker: int | None, gpus: int) -> 
         return None
     needed = workers * devices_per_worker
     if gpus == 0:
+        # Without GPUs, MultiWorkerMirroredStrategy trains one replica per worker.
         raise LaunchError(
-            "devices_per_worker gives each worker GPUs of its own, but this machine has "
-            "none, and without GPUs TensorFlow's MultiWorkerMirroredStrategy trains one "
-            "replica per worker. For more replicas start more workers instead "
-            f"(workers={needed}), or drop devices_per_worker. "
-            f"Received: devices_per_worker={devices_per_worker}"
+            "devices_per_worker needs GPUs, and this machine has none. For more replicas, start "
+            f"more workers instead (workers={needed}). Received: devices_per_worker={devices_per_worker}"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",")[:gpus] if visible else [str(i) for i in range(gpus)]
@@ -214,8 +212,7 @@ def slurm_tf_config(port: int | None = None) -> str:
     if address not in hosts:
         raise LaunchError(
             f"This SLURM task runs on {node}, which is not among the job step's nodes "
-            f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}) as SLURM_STEP_NODELIST "
-            "names them. Run `kerasmulti launch` under srun, in the job step it names. "
-            f"Received: SLURMD_NODENAME={node!r}"
+            f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}). Run `kerasmulti launch` "
+            f"under srun, in that job step. Received: SLURMD_NODENAME={node!r}"
         )
     return tf_config(hosts, hosts.index(address))

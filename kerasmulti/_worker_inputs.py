@@ -126,12 +126,11 @@ _gather_step = tf.function(_gather_one)
 def _batches(dataset) -> int:
     count = int(dataset.cardinality())
     if count < 0:
+        # Workers with fewer batches are padded to the others' count, which
+        # must be known.
         raise ValueError(
-            "A per-worker dataset function must return a dataset of known, "
-            "finite length, so that workers with fewer batches can be padded "
-            "to the others' count. Give it one with "
-            "`dataset.apply(tf.data.experimental.assert_cardinality(n))`, or "
-            "drop `.repeat()`. Received: cardinality="
+            "A per-worker dataset function must return a dataset of known, finite length. Drop "
+            "`.repeat()`, or apply tf.data.experimental.assert_cardinality(n). Received: cardinality="
             f"{'infinite' if count == tf.data.INFINITE_CARDINALITY else 'unknown'}"
         )
     return count
@@ -186,10 +185,10 @@ class WorkerBatches(keras.utils.PyDataset):
     Keras shuffles a PyDataset with each process's own `random`: each worker
     would take its part of other batches, some samples twice, others never.
     With `seed`, the order is drawn from it, anew each epoch; without, it is
-    the dataset's own. Batches are copies: across workers TensorFlow 2.21
-    takes a generator's arrays without copying and may write into them,
-    which corrupted the user's arrays behind the batches (labels of the last
-    batch of an epoch replaced by other numbers, measured).
+    the dataset's own. Batches are copies because across workers TensorFlow
+    2.21 takes a generator's arrays without copying and may write into them:
+    the user's arrays behind the batches would be overwritten (such as the
+    labels of an epoch's last batch).
     """
 
     def __init__(self, data, seed=None):

@@ -88,7 +88,7 @@ def test_a_damaged_backup_falls_back_to_the_previous_one_with_a_warning(tmp_path
         weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
     _damage(tmp_path / damaged)
     backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True, delete_checkpoint=False)
-    with pytest.warns(UserWarning, match=rf"backup file '.*{damaged}' is damaged .*resuming from the previous backup, '.*\.bkp', one save earlier"):
+    with pytest.warns(UserWarning, match=rf"The backup '.*{damaged}' is damaged .*resuming from the previous one, '.*\.bkp', one save earlier.*Received: backup_dir="):
         epoch, start = _resume(backup)
     assert epoch == 1  # the previous backup: after the first epoch
     _assert_weights(start, weights[0])
@@ -111,7 +111,7 @@ def test_a_damaged_epoch_file_beside_intact_weights_costs_nothing(tmp_path):
 def test_a_damaged_backup_without_a_previous_one_stops_naming_the_file(tmp_path, damaged, writer):
     _interrupted(writer(str(tmp_path)))
     _damage(tmp_path / damaged)
-    match = rf"backup file '.*{damaged}' is damaged \(.*\) and there is no previous backup.*Delete the folder '{re.escape(str(tmp_path))}' to start training over. Received: backup_dir="
+    match = rf"cannot resume: '.*{damaged}' is damaged \(.*\) and there is no previous backup\. Delete '{re.escape(str(tmp_path))}' to start over\. Received: backup_dir="
     with pytest.raises(OSError, match=match):
         _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
 
@@ -120,8 +120,8 @@ def test_both_backups_damaged_stops_naming_both(tmp_path):
     _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
     _damage(tmp_path / "latest.weights.h5")
     _damage(tmp_path / "latest.weights.h5.bkp")
-    with pytest.warns(UserWarning, match="resuming from the previous backup"):
-        with pytest.raises(OSError, match=r"'.*latest.weights.h5' and the previous one, '.*latest.weights.h5.bkp', are both damaged.*Received: backup_dir="):
+    with pytest.warns(UserWarning, match="resuming from the previous one"):
+        with pytest.raises(OSError, match=r"'.*latest.weights.h5' and the previous backup, '.*latest.weights.h5.bkp', are both damaged.*Received: backup_dir="):
             _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
 
 
@@ -163,7 +163,7 @@ def test_bad_save_freq_is_keras_error():
         kerasmulti.ParallelBackupAndRestore("backup", save_freq="batch")
 
 
-@pytest.mark.filterwarnings("ignore:ParallelBackupAndRestore. the backup file:UserWarning")  # test_backup_corrupted's
+@pytest.mark.filterwarnings("ignore:The backup '.*' is damaged:UserWarning")  # test_backup_corrupted's
 class TestKerasOwnTestsOnParallelBackupAndRestore(keras_tests.BackupAndRestoreCallbackTest):
     """Keras' BackupAndRestore tests, run with ParallelBackupAndRestore in its place: a drop-in."""
 

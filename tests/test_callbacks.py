@@ -204,15 +204,15 @@ def test_missing_folders_are_created(tmp_path):
 BAD_ARGUMENTS = [
     # (arguments, keywords, error, message)
     ((), {}, TypeError, r"missing 1 required positional argument: 'filepath'"),  # Python's, as for ModelCheckpoint
-    (("MODEL",), {}, TypeError, r"given a model to save but no filepath.*Received: template_model=<Sequential name=template"),
+    (("MODEL",), {}, TypeError, r"got a model to save but no filepath.*Received: template_model=<Sequential name=template"),
     ((None,), {}, TypeError, r"filepath must be a path.*Received: filepath=None"),
-    ((keras.layers.Dense(1), "m.keras"), {}, TypeError, r"filepath must be a path.*after the keras.Model.*Received: filepath=<Dense"),
+    ((keras.layers.Dense(1), "m.keras"), {}, TypeError, r"filepath must be a path.*after the model\).*Received: filepath=<Dense"),
     (("m-{epoch.keras",), {}, ValueError, r"cannot fill in its filepath \(expected '}' before end of string\).*Received: filepath='m-{epoch.keras'"),
     (("m}.keras",), {}, ValueError, r"cannot fill in its filepath \(Single '}'.*Received: filepath='m}.keras'"),
     (("m-{loss:d}.keras",), {}, ValueError, r"\(Unknown format code 'd' for object of type 'float'\).*Received: filepath='m-{loss:d}.keras'"),
     (("m-{}.keras",), {}, ValueError, r"\(Format string contains positional fields\).*Received: filepath='m-{}.keras'"),
     (("m-{loss[0]}.keras",), {}, ValueError, r"\('float' object is not subscriptable\).*Received: filepath="),
-    (("m.keras",), {"save_freq": 0}, ValueError, r"Pass save_freq='epoch' or a positive int. Received: save_freq=0"),
+    (("m.keras",), {"save_freq": 0}, ValueError, r"save_freq must be 'epoch' or a positive int.*Received: save_freq=0"),
     (("m.keras",), {"save_freq": "batch"}, ValueError, r"Received: save_freq='batch'"),
     (("m.keras",), {"save_freq": True}, ValueError, r"Received: save_freq=True"),
     (("m.keras",), {"monitor": 3}, TypeError, r"name of a logged metric.*Received: monitor=3"),
@@ -245,7 +245,7 @@ def _batches_before(error, parallel, x, y, checkpoint, **fit):
 def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path):
     _, parallel, x, y = _setup()
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m.keras"), monitor="val_acuracy", save_best_only=True)
-    error = pytest.raises(ValueError, match=r"does not report: it reports \[.*'loss', 'mae'.*Received: monitor='val_acuracy'")
+    error = pytest.raises(ValueError, match=r"does not report\. Pass one of \[.*'loss', 'mae'.*Received: monitor='val_acuracy'")
     assert _batches_before(error, parallel, x, y, checkpoint) == (1, 0)
 
 

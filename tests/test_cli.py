@@ -115,7 +115,7 @@ def test_predict_from_an_image_folder_stores_file_names(files):
         (["m.keras", "x.h5"], "Received: dataset=None"),
         (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
         (["m.keras", "x.h5", "--dataset", "labels"], "do not fit model"),
-        (["m.keras", "zero.npy"], "got a single value (a 0-d array). Give it a batch axis, e.g. np.expand_dims(x, 0). Received: shape=()"),
+        (["m.keras", "zero.npy"], "got a single value (a 0-d array), not rows. Add a batch axis, e.g. np.expand_dims(x, 0). Received: shape=()"),
         (["m.keras", "text.npy"], "takes float32 numbers, but the data holds text. Convert the data to numbers first. Received: dtype=<U1"),
     ],
 )
@@ -276,12 +276,12 @@ def _damaged_inputs(folder, x):
 @pytest.mark.parametrize(
     "model, source, message",
     [
-        ("m.keras", "objects.npy", "'{folder}/objects.npy' holds Python objects (an object array), which kerasmulti does not load: unpickling can run code. Save a numeric array with numpy.save. Received: input="),
+        ("m.keras", "objects.npy", "'{folder}/objects.npy' holds Python objects, which kerasmulti does not unpickle. Save a numeric array with numpy.save. Received: input="),
         ("m.keras", "garbage.npy", "'{folder}/garbage.npy' is damaged: it is not a readable .npy file. Write it again with numpy.save. Received: input="),
         ("m.keras", "short.npy", "'{folder}/short.npy' is damaged: it is not a readable .npy file."),
         ("m.keras", "short.h5", "'{folder}/short.h5' is damaged: it is not a readable HDF5 file. Check it, or write it again. Received: input="),
-        ("m.keras", "some_damaged", "The image '{folder}/some_damaged/im5.png' could not be read: it is damaged or not an image (UnidentifiedImageError). Replace it, or move it out of the folder and start a new output file. Received: image="),
-        ("saved_model", "x.npy", "'{folder}/saved_model' is a TensorFlow SavedModel folder, which Keras 3 cannot load with load_model. Save the model as a .keras file"),
+        ("m.keras", "some_damaged", "The image '{folder}/some_damaged/im5.png' could not be read: it is damaged or not an image (UnidentifiedImageError). Replace or remove it, and start a new output file. Received: image="),
+        ("saved_model", "x.npy", "'{folder}/saved_model' is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as a .keras file"),
         ("a_folder", "x.npy", "'{folder}/a_folder' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model="),
     ],
 )
@@ -297,5 +297,5 @@ def test_damaged_inputs_and_wrong_models_are_named(files, model, source, message
 def test_an_image_folder_without_pillow_says_how_to_install_it(files, monkeypatch):
     folder, _, _ = files
     monkeypatch.setitem(sys.modules, "PIL.Image", None)  # as if Pillow were not installed
-    with pytest.raises(ValueError, match=r"needs Pillow, which is not installed. Install it with: pip install 'kerasmulti\[images\]'. Received: input="):
+    with pytest.raises(ValueError, match=r"needs Pillow\. Install it with: pip install 'kerasmulti\[images\]'\. Received: input="):
         _predict(folder, "m.keras", "images")

@@ -45,14 +45,14 @@ def test_the_chief_is_the_chief_task_or_else_worker_0(monkeypatch, config, chief
 )
 def test_a_malformed_tf_config_is_refused(monkeypatch, text):
     monkeypatch.setenv("TF_CONFIG", text)
-    with pytest.raises(_cluster.ClusterError, match="kerasmulti launch` writes it for you.*Received: TF_CONFIG="):
+    with pytest.raises(_cluster.ClusterError, match=r"TF_CONFIG does not describe a cluster.*`kerasmulti launch` write it.*Received: TF_CONFIG="):
         _cluster.config()
 
 
 def test_a_failed_join_is_reported_where_the_cluster_is_needed(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", OSError("port in use"))
-    with pytest.raises(_cluster.ClusterError, match="joining the cluster failed: port in use.*Received: TF_CONFIG="):
+    with pytest.raises(_cluster.ClusterError, match="Joining the TF_CONFIG cluster failed: port in use.*Received: TF_CONFIG="):
         _cluster.strategy()
 
 
@@ -60,7 +60,7 @@ def test_tf_config_set_after_the_import_is_explained(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", None)
     monkeypatch.setattr(_cluster, "_join_requested", True)
-    with pytest.raises(_cluster.ClusterError, match="Set TF_CONFIG before Python starts.*Received: TF_CONFIG task="):
+    with pytest.raises(_cluster.ClusterError, match="TF_CONFIG was set after kerasmulti was imported.*before Python starts.*Received: TF_CONFIG task="):
         _cluster.strategy()
 
 
@@ -70,7 +70,7 @@ def test_a_cluster_nobody_asked_to_join_is_warned_about_and_trains_here(monkeypa
     monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_warned_unjoined", False)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    with pytest.warns(UserWarning, match=r"did not join it.*kerasmulti.initialize\(\).*Received: TF_CONFIG task="):
+    with pytest.warns(UserWarning, match=r"did not join the TF_CONFIG cluster.*kerasmulti.initialize\(\).*Received: TF_CONFIG task="):
         parallel = kerasmulti.parallelize(model, gpus=2)
     assert type(parallel) is kerasmulti.ParallelModel and len(parallel.replica_devices) == 2
 
@@ -98,7 +98,8 @@ def test_tensorflow_running_before_the_import_is_explained():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0
     assert "ClusterError" in result.stderr
-    assert "call kerasmulti.initialize()) at the top of the script" in result.stderr
+    assert "TensorFlow ran before this worker joined" in result.stderr
+    assert "kerasmulti.initialize() at the top of the script" in result.stderr
     assert "Received: TF_CONFIG task={'type': 'worker', 'index': 0}" in result.stderr
 
 

@@ -127,11 +127,11 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
         (["--hosts", "a:1,b:2"], "Received: index=None"),
         (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
         (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
-        (["--workers", "2", "--index", "1"], "without --hosts it means nothing. Pass --hosts with it, or drop it"),
+        (["--workers", "2", "--index", "1"], "so it needs --hosts. Pass --hosts too, or drop --index. Received: index=1"),
         (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
         (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
          "Drop --devices-per-worker. Received: devices_per_worker=2"),
-        ([], "needs to know the workers: pass --workers N"),
+        ([], "needs to know the workers. Pass --workers N"),
         (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
     ],
 )
@@ -158,7 +158,7 @@ def test_the_notebook_launcher_refuses_once_tensorflow_ran():
         ({"devices_per_worker": -1}, "Received: devices_per_worker=-1"),
         ({"devices_per_worker": True}, "Received: devices_per_worker=True"),
         ({"function": "train()"}, r"not its result. Received: function='train\(\)'"),
-        ({"args": 2}, r"as a tuple or list, e.g. args=\(x,\), and the number of workers as workers=. Received: args=2"),
+        ({"args": 2}, r"args must be a tuple or list, e.g. args=\(x,\); the number of workers goes in workers=\. Received: args=2"),
         ({"args": "data.csv"}, "Received: args='data.csv'"),
         ({"args": None}, "Received: args=None"),
         ({"args": {"epochs": 2}}, "Received: args={'epochs': 2}"),
@@ -198,7 +198,7 @@ def test_the_notebook_launcher_reports_a_failed_worker():
 def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
     result = _notebook_launch("unloadable")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "launch raised: Worker 0 finished, but what its function returned cannot be rebuilt" in result.stdout
+    assert "launch raised: Worker 0 finished, but its return value cannot be unpickled here" in result.stdout
     assert "this value cannot be rebuilt" in result.stdout and "Received: error=ValueError" in result.stdout
 
 

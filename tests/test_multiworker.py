@@ -64,7 +64,7 @@ def test_two_workers_train_evaluate_and_predict_as_one_process_on_the_global_bat
     assert workers[0]["coverage/val_loss"].shape == (2,)
     # Inference runs on the worker's own devices; only the chief writes files.
     assert workers[0]["inference/difference"] < 1e-5
-    assert "only: every worker writing the same file would clobber it" in str(workers[1]["inference/refusal"])
+    assert "writes output= on the chief (worker 0) only" in str(workers[1]["inference/refusal"])
     assert "Received: output=" in str(workers[1]["inference/refusal"])
     assert not os.path.exists(tmp_path / "clobbered.h5")
 
@@ -130,7 +130,7 @@ def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_los
     print(f"survivor stopped {stopped:.1f} s after the kill")
     assert stopped < 60  # the survivor did not wait forever (about 9 s measured)
     assert chief.returncode != 0
-    assert "a worker of the cluster is gone" in output and "Start the whole job again" in output, output[-3000:]
+    assert "stopped: a worker is gone" in output and "Start the whole job again" in output, output[-3000:]
     assert not os.path.exists(tmp_path / "final-0.npz")
     assert os.path.exists(tmp_path / "backup")  # the chief's backup of an epoch
 

@@ -86,7 +86,7 @@ def test_paths_that_name_no_file_are_refused(tmp_path, monkeypatch, output):
 
 
 def test_an_output_that_is_not_a_path_is_refused():
-    with pytest.raises(TypeError, match=r"output=, the path of an HDF5 file.*Received: output=3"):
+    with pytest.raises(TypeError, match=r"output must be the path of an HDF5 file.*Received: output=3"):
         kerasmulti.parallel_predict(_model(), _data(4), output=3, verbose=0)
 
 
@@ -111,7 +111,7 @@ def test_a_damaged_output_is_named_and_left_alone(tmp_path):
     kerasmulti.parallel_predict(model, x, output=str(path), verbose=0)
     damaged = path.read_bytes()[: path.stat().st_size // 2]  # as a copy cut short leaves it
     path.write_bytes(damaged)
-    with pytest.raises(ValueError, match=r"out.h5' is damaged: it is not a readable HDF5 file.*Delete it.*Received: output="):
+    with pytest.raises(ValueError, match=r"out.h5' is damaged \(not a readable HDF5 file\).*Delete or move it.*Received: output="):
         kerasmulti.parallel_predict(model, x, output=str(path), verbose=0)
     assert path.read_bytes() == damaged
 
