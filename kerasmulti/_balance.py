@@ -1,15 +1,15 @@
 """Balanced splits and step timing: where a parallel step's time goes.
 
 Synchronous data parallelism runs at the pace of the slowest replica. Each
-replica's busy time is measured inside the step, by clock readings:
-one that its rows wait for before it starts, one that waits for everything
-it returns. The step's own time runs from its batch to the updated weights.
-(`tf.timestamp` cannot serve: TensorFlow orders stateful ops without
-inputs in program order, so replica 1's start would wait for replica 0's
-end; a stateless `numpy_function` reading the clock runs when its control
-dependencies are met.) The figures add up in variables, so reading them costs nothing per step
-(`ThroughputMonitor` reads them once per epoch) and they also count the steps
-run by `steps_per_execution`.
+replica's busy time is measured inside the step, by clock readings: one that
+its rows wait for before it starts, one that waits for everything it
+returns. The step's own time runs from its batch to the updated weights.
+(`tf.timestamp` cannot serve: TensorFlow orders stateful ops in program
+order, so replica 1's start would wait for replica 0's end; a stateless
+`numpy_function` reading the clock runs once its control dependencies are
+met.) The figures add up in variables, so reading them costs nothing per
+step (`ThroughputMonitor` reads them once per epoch), and they count the
+steps that `steps_per_execution` runs too.
 
 `split="auto"` starts even, measures each replica's rows per second over
 `AutoSplit.WINDOW` steps (after `WARMUP` steps whose first runs compile), and
