@@ -25,8 +25,8 @@ import threading
 import warnings
 from typing import Callable
 
-import numpy as np
 import keras
+import numpy as np
 from keras import ops
 
 from kerasmulti._private import global_state, loss_module

@@ -128,7 +128,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 for device, r, b in zip(devices, rows, busy)
             },
             "imbalance": float(busy[used].max() / busy[used].min()) if used.any() and busy[used].min() > 0 else 1.0,
-            "split": list(self.model.split) if self.model.split is not None else None,
+            "split": self.model.split,
         }
         record["merge_update_seconds"] = record["step_seconds"] - record["compute_seconds"]
         if self.baseline is not None:

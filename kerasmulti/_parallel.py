@@ -197,7 +197,8 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         step = self._replica_step(x, y, sample_weight, training=True)
         if step is None:
             logs = super().train_step(data)
-            shards = [_split.Shard(0, _split.batch_size(x), _split.batch_size(x))]
+            rows = _split.batch_size(x)
+            shards = [_split.Shard(0, rows, rows)]
         else:
             y_pred, gradients, shards = step
             if gradients:

@@ -152,7 +152,7 @@ def parallelize(
     strategy = _cluster.strategy()
     if strategy is not None:
         _check_model(model)
-        _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        # Checked, though the strategy picks the devices.
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(
                 "split= other than 'even' works in one process only (tf.distribute shares "

@@ -3,12 +3,12 @@
 A batch of B rows over n devices becomes min(n, B) shards, in order, whose
 sizes differ by at most one, or follow the proportions `split` gives (one per
 device: fixed numbers, or a tensor that `_balance.AutoSplit` updates from
-measured speeds). When B and the proportions are known while tracing (eager calls, the first
-compiled step), idle replicas are simply not run. When B is only known at run
-time (a compiled step retraced for a smaller last batch), every replica is
-traced; a replica whose shard is empty computes on one borrowed row and gets
-weight zero, so no device ever sees an empty tensor and nothing it computes
-reaches the result. Gradients are summed, and per-output loss trackers
+measured speeds). When B and the proportions are known while tracing (eager
+calls, the first compiled step), idle replicas are simply not run. When B is
+only known at run time (a compiled step retraced for a smaller last batch, or
+measured proportions), every replica is traced; a replica whose shard is
+empty computes on one borrowed row and gets weight zero, so no device ever
+sees an empty tensor and nothing it computes reaches the result. Gradients are summed, and per-output loss trackers
 record the sum of the replicas' parts of the loss once per batch.
 """
 
