@@ -9,7 +9,10 @@ order, so replica 1's start would wait for replica 0's end; a stateless
 `numpy_function` reading the clock runs once its control dependencies are
 met.) The figures add up in variables, so reading them costs nothing per
 step (`ThroughputMonitor` reads them once per epoch), and they count the
-steps that `steps_per_execution` runs too.
+steps that `steps_per_execution` runs too. Under a `tf.distribute` strategy
+(workers) the strategy runs the step once per replica: `ReplicaTiming` has
+each replica add its figures to its own row of a table in its process, and
+gathers every worker's rows when read.
 
 `split="auto"` starts even, measures each replica's rows per second over
 `AutoSplit.WINDOW` steps (after `WARMUP` steps whose first runs compile), and
@@ -61,11 +64,12 @@ class StepTiming:
     """Per-replica busy time and rows, and step time, added up inside the step.
 
     Args:
-        replicas: How many replicas the steps run.
+        devices: The replicas' devices, in shard order.
     """
 
-    def __init__(self, replicas: int):
-        self.replicas = replicas
+    def __init__(self, devices: list[str]):
+        self.devices = list(devices)
+        self.replicas = replicas = len(devices)
         with tf.init_scope(), tf.device("/cpu:0"):
             self.busy = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="busy_seconds")
             self.rows = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="rows")
@@ -122,24 +126,85 @@ class StepTiming:
         return busy, tf.stack(sizes)
 
     def _clock_after(self, structure):
-        """Seconds on the host's clock, read once every tensor in `structure` exists."""
-        tensors = [t for t in tf.nest.flatten(tree.flatten(structure), expand_composites=True) if tf.is_tensor(t)]
-        # A distinct, non-constant input: no reading is folded or merged with another.
-        distinct = tf.cast(self.steps.read_value(), tf.float64) + float(next(_readings))
-        with tf.control_dependencies(tensors), tf.device("/cpu:0"):
-            now = tf.numpy_function(_now, [distinct], tf.float64, stateful=False)
-        now.set_shape(())
-        return now
+        return _clock_after(structure, self.steps)
 
     def take(self) -> dict:
         """The figures added up since the last `take`, as numpy values; starts again at zero."""
-        figures = {
-            name: getattr(self, name).numpy() for name in ("busy", "rows", "slowest", "step", "steps")
-        }
-        for name in ("busy", "rows", "slowest", "step", "steps"):
+        figures = {name: getattr(self, name).numpy() for name in _FIGURES}
+        self.reset()
+        return figures
+
+    def reset(self) -> None:
+        for name in _FIGURES:
             variable = getattr(self, name)
             variable.assign(tf.zeros_like(variable))
-        return figures
+
+
+_FIGURES = ("busy", "rows", "slowest", "step", "steps")
+
+
+class ReplicaTiming:
+    """`StepTiming`'s figures for a step that a `tf.distribute` strategy runs per replica.
+
+    Each replica adds its busy time (its batch to its gradients), rows and
+    step time (its batch to the updated weights) to its row of a table held
+    in this process; `take` gathers every worker's rows, a collective that
+    every worker must run at the same point. Without a per-step collective,
+    the slowest replica's compute time is taken as the largest of the
+    replicas' total busy times, and the step time likewise.
+
+    Args:
+        devices: Every replica's device, in the strategy's replica order.
+        gather: Takes this process's table and returns, for each replica,
+            the table as its worker holds it (a leading axis of replicas).
+    """
+
+    def __init__(self, devices: list[str], gather):
+        self.devices = list(devices)
+        self._gather = gather
+        with tf.init_scope(), tf.device("/cpu:0"):
+            # busy seconds, rows, step seconds, steps; one row per replica.
+            self.table = tf.Variable(tf.zeros((len(devices), 4), tf.float64), trainable=False, name="replica_timing")
+            # Read, never written, in the step: a clock's distinct input that
+            # does not order one replica's readings after another's writes.
+            self._generation = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="timing_generation")
+
+    def start(self, data):
+        """`data`, made to wait for this replica's start time; and the start time."""
+        started = _clock_after(data, self._generation)
+        with tf.control_dependencies([started]):
+            return tree.map_structure(_waiting_copy, data), started
+
+    def record(self, started, computed, updated, rows) -> None:
+        """Adds this replica's step once `computed` (its gradients) and `updated` (the weights) exist."""
+        busy = _clock_after(computed, self._generation) - started
+        step = _clock_after(updated, self._generation) - started
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        row = tf.stack([busy, tf.cast(rows, tf.float64), step, tf.ones((), tf.float64)])
+        self.table.scatter_nd_add(tf.reshape(tf.cast(replica, tf.int32), [1, 1]), row[None])
+
+    def take(self) -> dict:
+        """Every worker's figures since the last `take`, as `StepTiming.take` gives them."""
+        held = np.asarray(self._gather(self.table.read_value()))
+        self.reset()
+        table = np.stack([held[i, i] for i in range(len(self.devices))])  # each replica's own row
+        busy, rows, step, steps = table.T
+        return {"busy": busy, "rows": rows, "slowest": busy.max(), "step": step.max(), "steps": steps.max()}
+
+    def reset(self) -> None:
+        self.table.assign(tf.zeros_like(self.table))
+        self._generation.assign_add(1.0)
+
+
+def _clock_after(structure, counter):
+    """Seconds on the host's clock, read once every tensor in `structure` exists."""
+    tensors = [t for t in tf.nest.flatten(tree.flatten(structure), expand_composites=True) if tf.is_tensor(t)]
+    # A distinct, non-constant input: no reading is folded or merged with another.
+    distinct = tf.cast(counter.read_value(), tf.float64) + float(next(_readings))
+    with tf.control_dependencies(tensors), tf.device("/cpu:0"):
+        now = tf.numpy_function(_now, [distinct], tf.float64, stateful=False)
+    now.set_shape(())
+    return now
 
 
 class AutoSplit:

@@ -76,13 +76,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
         timing = getattr(self.model, "_timing", None)
         if timing is None:
             raise TypeError(
-                "ThroughputMonitor measures models returned by kerasmulti.parallelize() in one "
-                "process. Use it in such a model's fit() (gpus=1 for one device). "
+                "ThroughputMonitor measures models returned by kerasmulti.parallelize(). "
+                "Use it in such a model's fit() (gpus=1 for one device). "
                 f"Received: model={type(self.model).__name__}"
             )
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.model._timing.take()  # the epoch's figures start from zero
+        self.model._timing.reset()  # the epoch's figures start from zero
         self._first = self._last = None
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -93,9 +93,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._last = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
+        figures = self.model._timing.take()  # across workers, a collective each one runs
         if self._last is None:  # no batch ran (the data ran out)
             return
-        record = self._record(epoch, self.model._timing.take(), self._last - self._first)
+        record = self._record(epoch, figures, self._last - self._first)
         self.records.append(record)
         if self.verbose and _cluster.is_chief():
             print(_line(record))
@@ -108,7 +109,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             self._writer = None
 
     def _record(self, epoch, figures, seconds) -> dict:
-        devices = list(self.model.replica_devices)
+        devices = self.model._timing.devices
         steps = max(int(figures["steps"]), 1)
         rows, busy = figures["rows"], figures["busy"]
         used = rows > 0
@@ -172,18 +173,27 @@ def _line(record) -> str:
     return line
 
 
+def monitors(callbacks) -> list[ThroughputMonitor]:
+    """The `ThroughputMonitor`s among `fit`'s callbacks (a list or a `CallbackList`)."""
+    callbacks = getattr(callbacks, "callbacks", callbacks) or []
+    return [c for c in callbacks if isinstance(c, ThroughputMonitor)]
+
+
 def attach(model, callbacks) -> None:
     """Prepares `model`'s fit for the `ThroughputMonitor`s among `callbacks`.
 
     Turns on the step's timing (its step is traced again once) and gives each
     monitor the `log_dir` of a `TensorBoard` callback in the same list.
     """
-    callbacks = list(getattr(callbacks, "callbacks", callbacks) or [])
-    monitors = [c for c in callbacks if isinstance(c, ThroughputMonitor)]
-    if not monitors:
+    found = monitors(callbacks)
+    if not found:
         return
-    if model._runs_replicas:
-        model._time_steps()
-    log_dir = next((c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)), None)
-    for monitor in monitors:
-        monitor._log_dir = log_dir
+    callbacks = getattr(callbacks, "callbacks", callbacks)
+    if len(found) > 1:
+        # Each would reset the figures the other reads.
+        raise ValueError(
+            "fit() takes one ThroughputMonitor; each reads and resets the same figures. Pass one. "
+            f"Received: callbacks={[type(c).__name__ for c in callbacks]}"
+        )
+    model._time_steps()
+    found[0]._log_dir = next((c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)), None)

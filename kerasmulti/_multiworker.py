@@ -31,6 +31,9 @@ around what breaks Keras 3 `fit` there:
   order drawn from a seed the chief chooses (`_worker_inputs`).
 - fit, evaluate and predict end with a barrier, and a lost worker becomes a
   `ClusterError` that says to restart the job (it resumes from a backup).
+- `ThroughputMonitor` times each replica inside the step
+  (`_balance.ReplicaTiming`) and gathers every worker's figures at each
+  epoch's end, a collective: `fit` checks first that every worker has one.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _accumulation, _cluster, _feeding, _losses, _worker_inputs
+from kerasmulti import _accumulation, _balance, _cluster, _feeding, _losses, _monitor, _worker_inputs
 from kerasmulti._parallel import ParallelModel
 
 
@@ -109,6 +112,8 @@ class WorkerModel(ParallelModel):
         batches put together.
         """
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        with _lost_workers_explained("fit()"):
+            _check_monitored_everywhere(self._strategy, arguments.get("callbacks"))
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
         return self._on_all_workers(super().fit, (), _worker_inputs.fit_arguments(self._strategy, arguments, seed))
@@ -149,19 +154,30 @@ class WorkerModel(ParallelModel):
         return self._template(inputs, training=training)
 
     def train_step(self, data):
+        if self._timing is not None:
+            data, started = self._timing.start(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable = self.trainable_weights
         with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
             y_pred = self(x, training=True)
             loss = self._replica_loss(x, y, y_pred, sample_weight, training=True)
             scaled = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled, trainable) if trainable else []
+        computed = (y_pred, loss, gradients)
         if trainable:
-            gradients = tape.gradient(scaled, trainable)
             if _accumulation.accumulates(self.optimizer):
                 _accumulation.apply(self.optimizer, gradients, trainable)  # Keras' crashes here
             else:
                 self.optimizer.apply_gradients(zip(gradients, trainable))
+        if self._timing is not None:
+            self._timing.record(started, computed, self._updated_weights(), _replica_rows(x))
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+
+    def _new_timing(self):
+        strategy = self._strategy
+        return _balance.ReplicaTiming(
+            _cluster_devices(strategy), lambda table: _worker_inputs.gather_step(strategy, table)
+        )
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -171,8 +187,8 @@ class WorkerModel(ParallelModel):
 
     def _replica_loss(self, x, y, y_pred, sample_weight, training):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""
-        share, rows = _share(x)
-        with self._part(share, rows):
+        share, rows, total = _share(x)
+        with self._part(share, rows, total):
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
             )
@@ -182,7 +198,7 @@ class WorkerModel(ParallelModel):
         return loss
 
     @contextlib.contextmanager
-    def _part(self, share, rows):
+    def _part(self, share, rows, total):
         """Losses are this replica's part of the global batch's (see `_losses`).
 
         Keras' per-output loss trackers record each value times the replica
@@ -203,7 +219,8 @@ class WorkerModel(ParallelModel):
         for tracker in trackers:
             tracker.update_state = record(tracker)
         try:
-            with _losses.replica_part(share, 1.0, rows, lambda value, by_rows: context.all_reduce("sum", value)):
+            summed = _losses.counted_or_summed(rows, total, lambda value, by_rows: context.all_reduce("sum", value))
+            with _losses.replica_part(share, 1.0, rows, summed):
                 yield
         finally:
             for tracker in trackers:
@@ -263,6 +280,30 @@ def _barrier(strategy):
 _barrier_step = tf.function(_barrier)
 
 
+def _check_monitored_everywhere(strategy, callbacks) -> None:
+    """Refuses a `ThroughputMonitor` on some workers only: its gathers would wait forever."""
+    monitored = bool(_monitor.monitors(callbacks))
+    flags = _worker_inputs.gather_step(strategy, tf.constant(int(monitored), tf.int64)).numpy()
+    if flags.any() and not flags.all():
+        local = len(strategy.extended.worker_devices)
+        raise ValueError(
+            "A ThroughputMonitor was passed to fit() on some workers only; it gathers every "
+            "worker's figures at each epoch's end. Pass it on every worker, or on none. "
+            f"Received: workers_with_monitor={int(flags.sum()) // local} of {len(flags) // local}"
+        )
+
+
+def _cluster_devices(strategy) -> list[str]:
+    """Every replica's device, in the strategy's replica order (workers in turn, chief first)."""
+    local = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    tasks = [(job, task) for job in ("chief", "worker") for task in range(len(spec.get(job, [])))]
+    if not tasks:
+        return [d.to_string() for d in local]
+    return [d.replace(job=job, task=task).to_string() for job, task in tasks for d in local]
+
+
 def _cause(error) -> str:
     lines = [line.strip() for line in error.message.splitlines() if line.strip()]
     useful = [line for line in lines if "abort" in line or "unhealthy" in line or "down" in line]
@@ -288,10 +329,10 @@ def _replica_rows(x):
 
 
 def _share(x):
-    """This replica's share of the global batch's rows, and its rows (float32)."""
+    """This replica's share of the global batch's rows, its rows and the batch's (float32)."""
     rows = tf.cast(_replica_rows(x), "float32")
     total = tf.distribute.get_replica_context().all_reduce("sum", rows)
-    return tf.math.divide_no_nan(rows, total), rows
+    return tf.math.divide_no_nan(rows, total), rows, total
 
 
 def _with_leading_axis(logs):

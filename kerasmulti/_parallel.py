@@ -57,7 +57,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         # None (even), fixed proportions, or measured ones (`_balance`).
         self._auto_split = _balance.AutoSplit(len(devices)) if split == "auto" else None
         self._split = split
-        self._timing = _balance.StepTiming(len(devices)) if self._auto_split else None
+        self._timing = _balance.StepTiming(devices) if self._auto_split else None
         self._batchnorm = _replicas.batchnorm_layers(template)
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
@@ -144,12 +144,18 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
     def _proportions(self):
         return self._split if self._auto_split is None else self._auto_split.proportions.read_value()
 
-    def _time_steps(self) -> _balance.StepTiming:
+    def _time_steps(self) -> None:
         """Turns on step timing (`ThroughputMonitor`); the next fit traces its step again."""
         if self._timing is None:
-            self._timing = _balance.StepTiming(len(self._replica_devices))
+            self._timing = self._new_timing()
             self.train_function = None
-        return self._timing
+
+    def _new_timing(self):
+        return _balance.StepTiming(self._replica_devices)
+
+    def _updated_weights(self) -> list:
+        """The trainable weights as read after this step's update (its end, for timing)."""
+        return [tf.convert_to_tensor(v) for v in self.trainable_weights or [self.optimizer.iterations]]
 
     def call(self, inputs, training=None):
         batch = _split.batch_size(inputs)
@@ -207,8 +213,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
                 warnings.warn("The model does not have any trainable weights.", stacklevel=2)
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._timing is not None:
-            updated = [tf.convert_to_tensor(v) for v in self.trainable_weights or [self.optimizer.iterations]]
-            busy, rows = self._timing.record(shards, started, updated)
+            busy, rows = self._timing.record(shards, started, self._updated_weights())
             if self._auto_split is not None:
                 self._auto_split.observe(busy, rows)
         return logs

@@ -97,7 +97,7 @@ def _per_worker_dataset(strategy, dataset_fn):
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
     local = _batches(dataset_fn(context))
-    counts = _gather_step(strategy, tf.constant(local, tf.int64))
+    counts = gather_step(strategy, tf.constant(local, tf.int64))
     steps = int(tf.reduce_max(counts))
 
     def padded(context):
@@ -114,13 +114,14 @@ def _per_worker_dataset(strategy, dataset_fn):
 
 
 @tf.autograph.experimental.do_not_convert
-def _gather_one(strategy, value):
-    return strategy.gather(strategy.run(lambda: tf.reshape(value, [1])), axis=0)
+def _gather(strategy, value):
+    """`value` as every replica's worker holds it, stacked along a new first axis."""
+    return strategy.gather(strategy.run(lambda: tf.expand_dims(value, 0)), axis=0)
 
 
-# Made once, traced once per strategy: a tf.function made at every call would
-# retrace every time, and TensorFlow warns about that after five.
-_gather_step = tf.function(_gather_one)
+# Made once, traced once per strategy and shape: a tf.function made at every
+# call would retrace every time, and TensorFlow warns about that after five.
+gather_step = tf.function(_gather)
 
 
 def _batches(dataset) -> int:

@@ -190,3 +190,24 @@ def assert_same_logs(a: dict, b: dict, atol=1e-5):
     assert sorted(a) == sorted(b)
     for key in a:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-4, atol=atol, err_msg=key)
+
+
+_strategy = []
+
+
+def worker_model(template):
+    """A multi-worker model on one process's 2 CPUs: the strategy's several
+    replicas per worker (a worker's GPUs), without starting workers.
+
+    One strategy for the whole process: each strategy object numbers its
+    collectives from the same keys, so a second one over the same devices
+    meets the first's collectives (a shape mismatch, or silently shared
+    parameters), as in a worker process, which holds one strategy.
+    """
+    import tensorflow as tf
+
+    from kerasmulti import _multiworker
+
+    if not _strategy:
+        _strategy.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _multiworker.adopt(template, _strategy[0])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from cases import assert_same_weights
+from cases import assert_same_weights, worker_model
 from conftest import DEVICES
 
 
@@ -73,16 +73,6 @@ def test_accumulation_applies_only_every_kth_step():
     assert any(not np.allclose(np.asarray(w), w0) for w, w0 in zip(template.trainable_weights, before))
 
 
-def _worker_model(template):
-    """A multi-worker model on one process's 2 CPUs: the strategy's several
-    replicas per worker (a worker's GPUs), without starting workers."""
-    import tensorflow as tf
-
-    from kerasmulti import _multiworker
-
-    return _multiworker.adopt(template, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-
-
 def test_multi_worker_accumulation_gives_one_device_weights_and_state():
     # 17 rows in batches of 4: 5 steps an epoch; with k=3, 10 steps end with an
     # accumulation pending and one that spans the epoch boundary.
@@ -91,7 +81,7 @@ def test_multi_worker_accumulation_gives_one_device_weights_and_state():
     y = rng.normal(size=(17, 1)).astype("float32")
     reference, template = _pair(False)
     _compile(reference, 3)
-    parallel = _worker_model(template)
+    parallel = worker_model(template)
     _compile(parallel, 3)
     fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
     expected = reference.fit(x, y, **fit).history
@@ -114,7 +104,7 @@ def test_keras_own_accumulation_still_crashes_under_the_strategy(monkeypatch):
 
     monkeypatch.setattr(_accumulation, "accumulates", lambda optimizer: False)
     _, template = _pair(False)
-    parallel = _worker_model(template)
+    parallel = worker_model(template)
     _compile(parallel, 2)
     with pytest.raises(RuntimeError, match="merge_call"):
         parallel.fit(np.ones((8, 5), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
@@ -122,7 +112,7 @@ def test_keras_own_accumulation_still_crashes_under_the_strategy(monkeypatch):
 
 def test_multi_worker_accumulation_refuses_use_ema():
     _, template = _pair(False)
-    parallel = _worker_model(template)
+    parallel = worker_model(template)
     optimizer = keras.optimizers.Adam(use_ema=True, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match=r"does not keep use_ema's moving averages.*Received: use_ema=True$"):
         parallel.compile(optimizer=optimizer, loss="mse")
@@ -152,7 +142,7 @@ def test_multi_worker_accumulation_under_loss_scaling_gives_one_process_weights_
         x[6] = 1e30  # the 2nd batch's 3rd row: its loss and gradient overflow to inf
     reference, template = _pair(False)
     reference.compile(optimizer=_loss_scaled(initial_scale, growth), loss="mse")
-    parallel = _worker_model(template)
+    parallel = worker_model(template)
     parallel.compile(optimizer=_loss_scaled(initial_scale, growth), loss="mse")
     fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
     expected = reference.fit(x, y, **fit).history
@@ -181,7 +171,7 @@ def test_multi_worker_accumulation_under_mixed_float16_matches_one_process():
     try:
         reference, template = _pair(False)
         _compile(reference, 2)
-        parallel = _worker_model(template)
+        parallel = worker_model(template)
         _compile(parallel, 2)
     finally:
         keras.mixed_precision.set_global_policy("float32")
@@ -203,7 +193,7 @@ def test_multi_worker_accumulation_refuses_variables_overwritten_with_their_grad
     with their "gradient"; summed across replicas that would be wrong."""
     _, template = _pair(False)
     template.layers[0].quantize("float8")
-    parallel = _worker_model(template)
+    parallel = worker_model(template)
     with pytest.raises(
         ValueError, match=r"cannot overwrite variables with their gradient.*Received: overwrite_with_gradient=True$"
     ):

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from cases import CASES, assert_same_logs, assert_same_weights
+from cases import CASES, assert_same_logs, assert_same_weights, worker_model
 from conftest import DEVICES
 from kerasmulti import _balance, _split
 
@@ -251,6 +251,41 @@ def test_the_monitor_measures_one_device_for_a_baseline():
     assert list(record["devices"].values())[0]["rows"] == 96
     assert record["compute_seconds"] == pytest.approx(record["step_seconds"])
     assert record["compute_seconds"] >= 0.032  # 32 rows at 1 ms a row
+
+
+def test_the_monitor_measures_each_replica_of_a_worker_model_and_keeps_its_numbers(capsys):
+    # The strategy's replicas on 2 CPUs in this process (a worker's GPUs);
+    # the second slowed to half speed. Across real workers: test_multiworker.
+    keras.utils.set_random_seed(4)
+    reference = _slowed_model(factor=2.0, slow=("CPU:1",))
+    template = keras.models.clone_model(reference)
+    template.set_weights(reference.get_weights())
+    parallel = worker_model(template)
+    for model in (reference, parallel):
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    monitor = kerasmulti.ThroughputMonitor()
+    x, y = _data(192)
+    fit = dict(batch_size=48, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, callbacks=[monitor], **fit).history)
+    assert_same_weights(reference, template)
+    record = monitor.records[-1]
+    devices = record["devices"]
+    assert [name[-5:] for name in devices] == ["CPU:0", "CPU:1"]
+    assert [d["rows"] for d in devices.values()] == [96, 96] and record["samples"] == 192
+    speeds = [d["samples_per_second"] for d in devices.values()]
+    assert speeds[1] / speeds[0] == pytest.approx(0.5, rel=0.15)
+    assert record["imbalance"] == pytest.approx(2.0, rel=0.15)
+    # 24 rows at 2 ms a row: the slowed replica's least, 48 ms a step.
+    assert 0.048 <= record["compute_seconds"] <= record["step_seconds"]
+    assert "Epoch 2:" in capsys.readouterr().out
+
+
+def test_the_monitor_refuses_a_second_monitor_in_one_fit():
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    monitors = [kerasmulti.ThroughputMonitor(), kerasmulti.ThroughputMonitor()]
+    with pytest.raises(ValueError, match=r"takes one ThroughputMonitor.*Received: callbacks=\['ThroughputMonitor', 'ThroughputMonitor'\]"):
+        parallel.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0, callbacks=monitors)
 
 
 def test_the_monitor_refuses_a_model_it_cannot_measure():

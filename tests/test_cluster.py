@@ -231,11 +231,11 @@ import tensorflow as tf
 from kerasmulti import _multiworker, _worker_inputs
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-steps = (_multiworker._barrier_step, _worker_inputs._gather_step)
+steps = (_multiworker._barrier_step, _worker_inputs.gather_step)
 before = [step.experimental_get_tracing_count() for step in steps]
 for value in range(6):
     assert float(_multiworker._barrier_step(strategy)) == 2.0
-    gathered = _worker_inputs._gather_step(strategy, tf.constant(value, tf.int64))
+    gathered = _worker_inputs.gather_step(strategy, tf.constant(value, tf.int64))
     assert gathered.numpy().tolist() == [value, value]
 assert [step.experimental_get_tracing_count() for step in steps] == [count + 1 for count in before]
 print("traced once")
