@@ -1,9 +1,10 @@
 """`ThroughputMonitor`: where a parallel model's training time goes, per epoch.
 
-The figures come from the step itself (`_balance.StepTiming`): each
-replica's busy time and rows, the slowest replica's time per step, and the
-step's time from its batch to the updated weights. The monitor reads them
-once per epoch, so watching costs no synchronisation per step. Samples per
+The figures come from the step itself (`_balance.StepTiming`, or across
+workers `_balance.ReplicaTiming`): each replica's busy time and rows, the
+slowest replica's time per step, and the step's time from its batch to the
+updated weights. The monitor reads them once per epoch, so watching costs
+no synchronisation per step (across workers, one gather per epoch). Samples per
 second overall are rows over the epoch's training time (first batch to last,
 validation excluded), which includes the input pipeline and Keras' loop.
 """
@@ -42,9 +43,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
             `baseline` times the number of devices.
         verbose: 1 prints one line per epoch, 0 is silent.
 
+    Across workers it covers every worker's replicas: pass it to `fit` on
+    every worker; each gathers the others' figures at an epoch's end.
+
     Raises:
         TypeError: At the start of `fit`, if the model is not a model
-            returned by `kerasmulti.parallelize` in this process.
+            returned by `kerasmulti.parallelize`.
+        ValueError: At the start of `fit`, if it holds two monitors, or
+            across workers if some workers pass none.
 
     Example:
 

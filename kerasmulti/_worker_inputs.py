@@ -75,6 +75,9 @@ def _shuffled(kwargs, seed):
         )
 
     rows_in_order = tf.data.Dataset.range(1).map(order).flat_map(tf.data.Dataset.from_tensor_slices)
+    # flat_map hides the length, and Keras would warn at the first epoch's
+    # end that the input "ran out of data".
+    rows_in_order = rows_in_order.apply(tf.data.experimental.assert_cardinality(rows))
     tensors = tree.map_structure(tf.convert_to_tensor, data)
     dataset = rows_in_order.batch(batch_size or 32).map(
         lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)

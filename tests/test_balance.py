@@ -8,7 +8,6 @@ logs, weights and predictions on one device. The monitor's figures and
 
 import glob
 import math
-import time
 
 import keras
 import numpy as np
@@ -19,6 +18,7 @@ import kerasmulti
 from cases import CASES, assert_same_logs, assert_same_weights, worker_model
 from conftest import DEVICES
 from kerasmulti import _balance, _split
+from workers.slow_device import SlowDevice
 
 SAMPLES = 10
 
@@ -160,30 +160,6 @@ def test_splits_other_than_even_are_refused_across_workers(monkeypatch):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="works in one process only.*Received: split='auto'"):
         kerasmulti.parallelize(model, split="auto")
-
-
-class SlowDevice(keras.layers.Layer):
-    """A load: sleeps `ms_per_row` per row, `factor` times as long on devices named in `slow`."""
-
-    def __init__(self, ms_per_row, slow, factor, **kwargs):
-        super().__init__(**kwargs)
-        self.ms_per_row, self.slow, self.factor = ms_per_row, slow, factor
-
-    def call(self, x):
-        device = "" if tf.executing_eagerly() else tf.identity(x).device
-        seconds = self.ms_per_row / 1000 * (self.factor if any(device.endswith(d) for d in self.slow) else 1)
-
-        def sleep(rows, _):
-            time.sleep(float(rows) * seconds)
-            return np.float32(0)
-
-        # x[0, 0] as an input: a sleep of constant inputs would be folded away.
-        zero = tf.numpy_function(sleep, [tf.shape(x)[0], x[0, 0]], tf.float32, stateful=False)
-        zero.set_shape(())
-        return x + tf.stop_gradient(zero)
-
-    def compute_output_shape(self, shape):
-        return shape
 
 
 def _slowed_model(factor, slow=("CPU:2",), ms_per_row=1.0):

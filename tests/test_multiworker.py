@@ -4,6 +4,7 @@ Each test starts 2 TensorFlow processes (several seconds of import each), so
 they are marked slow; they still run in CI.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -193,3 +194,28 @@ def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(t
         assert max(np.abs(value).max() for value in pending) > 0, phase
     message = str(workers[1]["refusal/message"])
     assert "does not keep use_ema's moving averages" in message and message.endswith("Received: use_ema=True")
+
+
+def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp_path):
+    result = _launch_workers("multi_worker_monitor.py", str(tmp_path))
+    workers = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]
+    chief, other = (w["records"] for w in workers)
+    assert [r["epoch"] for r in chief] == [1, 2]
+    record = chief[-1]
+    devices = record["devices"]
+    assert [name.split("/device:")[0][-6:] for name in devices] == ["task:0", "task:1"]
+    assert [d["rows"] for d in devices.values()] == [96, 96] and record["samples"] == 192
+    # Worker 1 at half speed, seen from either worker: figures gathered from both.
+    speeds = [d["samples_per_second"] for d in devices.values()]
+    assert speeds[1] / speeds[0] == pytest.approx(0.5, rel=0.15)
+    assert record["imbalance"] == pytest.approx(2.0, rel=0.15)
+    assert other[-1]["devices"] == devices
+    printed = [line for line in result.stdout.splitlines() if "samples/s; step" in line]
+    assert len(printed) == 2 and all(line.startswith("[worker 0]") for line in printed), result.stdout[-3000:]
+    # Shuffled arrays keep their length through the workers' pipeline.
+    assert "ran out of data" not in result.stdout + result.stderr
+    # The TensorBoard scalars: the chief's only (worker 1 writes to a temporary folder).
+    assert len(list((tmp_path / "logs" / "throughput").glob("events.out.tfevents.*"))) == 1
+    for worker in workers:
+        assert "passed to fit() on some workers only" in worker["refusal"]
+        assert worker["refusal"].endswith("Received: workers_with_monitor=1 of 2")

@@ -1,0 +1,47 @@
+"""ThroughputMonitor across workers: run by `kerasmulti launch --workers 2 multi_worker_monitor.py OUT`.
+
+Worker 1's replica is slowed to half speed. Phases:
+
+- monitored: every worker passes a monitor and a TensorBoard callback (log
+  folder OUT/logs); each saves its monitor's records.
+- refusal: a monitor on the chief only; each worker saves fit's error.
+
+Each worker writes OUT/worker-<index>.json.
+"""
+
+import json
+import os
+import sys
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from slow_device import SlowDevice  # noqa: E402
+
+out = sys.argv[1]
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+results = {}
+rng = np.random.default_rng(7)
+x, y = rng.normal(size=(192, 8)).astype("float32"), rng.normal(size=(192, 1)).astype("float32")
+
+keras.utils.set_random_seed(4)
+model = keras.Sequential(
+    [keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+     SlowDevice(1.0, ("task:1/device:CPU:0",), 2.0), keras.layers.Dense(1)]
+)
+parallel = kerasmulti.parallelize(model)
+parallel.compile(optimizer="adam", loss="mse")
+
+monitor = kerasmulti.ThroughputMonitor()
+tensorboard = keras.callbacks.TensorBoard(os.path.join(out, "logs"))
+parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor, tensorboard])
+results["records"] = monitor.records
+
+try:
+    parallel.fit(x, y, batch_size=48, verbose=0, callbacks=[kerasmulti.ThroughputMonitor()] if index == 0 else [])
+except ValueError as error:
+    results["refusal"] = str(error)
+
+with open(os.path.join(out, f"worker-{index}.json"), "w") as file:
+    json.dump(results, file)
