@@ -26,6 +26,8 @@ Usage:
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 from _common import check, make_parser, median, print_environment, run_reporting, timed_rounds
@@ -42,6 +44,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# The load the tests slow devices with, also across workers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "workers"))
+from slow_device import SlowDevice  # noqa: E402
+
 # One intra-op thread per op, as the other CPU benchmarks (`_common.configure_devices`).
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES + 2)
@@ -50,37 +56,13 @@ SEED = 1234
 FEATURES = 64
 
 
-class SlowDevice(keras.layers.Layer):
-    """Holds each replica `ms_per_row` ms per row; `factor` times as long on `SLOW_DEVICE`."""
-
-    def __init__(self, ms_per_row: float, factor: float, **kwargs):
-        super().__init__(**kwargs)
-        self.ms_per_row, self.factor = ms_per_row, factor
-
-    def call(self, x):
-        device = "" if tf.executing_eagerly() else tf.identity(x).device
-        seconds = self.ms_per_row / 1000 * (self.factor if device.endswith(SLOW_DEVICE) else 1.0)
-
-        def hold(rows, _):
-            time.sleep(float(rows) * seconds)
-            return np.float32(0)
-
-        # x[0, 0] as an input: with constant inputs the op would be folded away.
-        zero = tf.numpy_function(hold, [tf.shape(x)[0], x[0, 0]], tf.float32, stateful=False)
-        zero.set_shape(())
-        return x + tf.stop_gradient(zero)
-
-    def compute_output_shape(self, shape):
-        return shape
-
-
 def build_model(ms_per_row: float, factor: float) -> keras.Model:
     keras.utils.set_random_seed(SEED)
     return keras.Sequential(
         [
             keras.Input((FEATURES,)),
             keras.layers.Dense(256, activation="relu"),
-            SlowDevice(ms_per_row, factor),
+            SlowDevice(ms_per_row, (SLOW_DEVICE,), factor),
             keras.layers.Dense(256, activation="relu"),
             keras.layers.Dense(10, activation="softmax"),
         ]

@@ -1,4 +1,4 @@
-"""A load that slows chosen devices: for the balancing tests and the multi-worker monitor's."""
+"""A load that slows chosen devices: for the balancing tests and benchmark, and the multi-worker monitor's test."""
 
 import time
 
