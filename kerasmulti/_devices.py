@@ -17,6 +17,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
+from kerasmulti import _cluster
+
 ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
 
 
@@ -72,9 +74,19 @@ def available_devices() -> list[str]:
     print(kerasmulti.available_devices())  # ['/device:CPU:0'] on a laptop
     ```
     """
-    gpus = tf.config.list_logical_devices("GPU")
-    devices = gpus or tf.config.list_logical_devices("CPU")
+    gpus = _local(tf.config.list_logical_devices("GPU"))
+    devices = gpus or _local(tf.config.list_logical_devices("CPU"))
     return [_canonical(d.name) for d in devices]
+
+
+def _local(devices):
+    """This process's devices: in a cluster TensorFlow lists every task's."""
+    parsed = _cluster.config()
+    if parsed is None:
+        return devices
+    job, task = parsed["task"]["type"], int(parsed["task"]["index"])
+    specs = [tf.DeviceSpec.from_string(d.name) for d in devices]
+    return [d for d, spec in zip(devices, specs) if spec.job in (None, job) and spec.task in (None, task)]
 
 
 def known_devices() -> list[str]:
@@ -83,7 +95,7 @@ def known_devices() -> list[str]:
     # so the first answer stays true: OnDevice asks on every eager call.
     global _KNOWN
     if _KNOWN is None:
-        _KNOWN = [_canonical(d.name) for d in tf.config.list_logical_devices()]
+        _KNOWN = [_canonical(d.name) for d in _local(tf.config.list_logical_devices())]
     return list(_KNOWN)
 
 

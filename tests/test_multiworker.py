@@ -219,3 +219,5 @@ def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp
     for worker in workers:
         assert "passed to fit() on some workers only" in worker["refusal"]
         assert worker["refusal"].endswith("Received: workers_with_monitor=1 of 2")
+        # TensorFlow lists every task's devices in a cluster; a worker's own are one CPU.
+        assert worker["available_devices"] == ["/device:CPU:0"]

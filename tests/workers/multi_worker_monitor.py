@@ -5,6 +5,7 @@ Worker 1's replica is slowed to half speed. Phases:
 - monitored: every worker passes a monitor and a TensorBoard callback (log
   folder OUT/logs); each saves its monitor's records.
 - refusal: a monitor on the chief only; each worker saves fit's error.
+- devices: what `available_devices()` lists on each worker (its own only).
 
 Each worker writes OUT/worker-<index>.json.
 """
@@ -42,6 +43,8 @@ try:
     parallel.fit(x, y, batch_size=48, verbose=0, callbacks=[kerasmulti.ThroughputMonitor()] if index == 0 else [])
 except ValueError as error:
     results["refusal"] = str(error)
+
+results["available_devices"] = kerasmulti.available_devices()
 
 with open(os.path.join(out, f"worker-{index}.json"), "w") as file:
     json.dump(results, file)
