@@ -3,7 +3,7 @@
 Worker 1's replica is slowed to half speed. Phases:
 
 - monitored: every worker passes a monitor and a TensorBoard callback (log
-  folder OUT/logs); each saves its monitor's records.
+  folder OUT/logs), with validation data; each saves its monitor's records.
 - refusal: a monitor on the chief only; each worker saves fit's error.
 - devices: what `available_devices()` lists on each worker (its own only).
 
@@ -36,7 +36,8 @@ parallel.compile(optimizer="adam", loss="mse")
 
 monitor = kerasmulti.ThroughputMonitor()
 tensorboard = keras.callbacks.TensorBoard(os.path.join(out, "logs"))
-parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor, tensorboard])
+# Validation runs its collectives between the last step and the monitor's gather.
+parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor, tensorboard], validation_data=(x[:40], y[:40]))
 results["records"] = monitor.records
 
 try:
