@@ -159,7 +159,7 @@ def test_one_device_is_a_working_pass_through():
         parallel.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"],
         rtol=1e-6,
     )
-    np.testing.assert_allclose(reference.predict(x, verbose=0), parallel.predict(x, verbose=0), rtol=1e-6)
+    np.testing.assert_allclose(reference.predict(x, verbose=0), parallel.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
 def test_environment_variable_set_too_late_is_warned_about():

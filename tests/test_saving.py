@@ -70,7 +70,8 @@ def test_weights_round_trip_through_the_template(tmp_path):
         w.assign(np.zeros(w.shape))
     assert not np.allclose(model.predict(x, verbose=0), expected)
     parallel.load_weights(path)
-    np.testing.assert_allclose(parallel.predict(x, verbose=0), expected, rtol=1e-6)
+    # Split into sub-batches, matrix products may round a near-zero output differently.
+    np.testing.assert_allclose(parallel.predict(x, verbose=0), expected, rtol=1e-6, atol=1e-6)
     fresh = keras.models.clone_model(model)
     fresh.load_weights(path)  # a plain model reads the file: no wrapper inside
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, rtol=1e-6)
