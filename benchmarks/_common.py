@@ -39,8 +39,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
 import kerasmulti  # noqa: E402
-from kerasmulti import _sources  # noqa: E402
-from kerasmulti._load import LoadMeter  # noqa: E402,F401  (bench_multi_worker imports it from here)
+from kerasmulti._src.inference import sources as _sources  # noqa: E402
+from kerasmulti._src.utils.machine_load import LoadMeter  # noqa: E402,F401  (bench_multi_worker imports it from here)
 import tensorflow as tf  # noqa: E402
 
 # ------------------------------------------------------------------- devices
@@ -232,7 +232,7 @@ def dataset(x, y, batch_size: int, shuffle: bool = True):
     """The arrays (y None for predict) as a tf.data pipeline without autotuning, for every variant alike.
 
     `fit` on arrays would build an autotuned pipeline, whose teardown stall
-    (see `kerasmulti._sources.batched`) fell inside some timed epochs and not
+    (see `kerasmulti._src.inference.sources.batched`) fell inside some timed epochs and not
     others, which made whole epochs run at one of two speeds.
     """
     # A list would be stacked into one tensor; a tuple stays one input each.

@@ -150,7 +150,7 @@ def benchmark_arrays(variants: list[Variant], sizes: Sizes, n: int) -> None:
     """Bare against parallelize(gpus=N), both fed numpy arrays directly.
 
     Keras' autotuned array pipeline stalls at random epoch ends (see
-    `kerasmulti._feeding`); a parallel model feeds arrays without autotuning.
+    `kerasmulti._src.data_parallel.feeding`); a parallel model feeds arrays without autotuning.
     The bare model gets Keras' own pipeline: this is what users see.
     """
     pair = [variants[0], variants[2]]

@@ -7,7 +7,7 @@ initial weights, in two variants, each in fresh processes:
 - 1 worker (1 core): one process without `TF_CONFIG`, training the plain
   Keras model;
 - N workers (1 core each): N processes of one `TF_CONFIG` cluster on
-  localhost ports (`kerasmulti._supervisor.run_workers`), each training
+  localhost ports (`kerasmulti._src.multi_worker.supervisor.run_workers`), each training
   `kerasmulti.parallelize(model)` on its part of every global batch, the
   gradients all-reduced between the processes every step.
 
@@ -69,7 +69,7 @@ if "--worker-of" not in sys.argv:
     import keras  # noqa: E402
     import kerasmulti  # noqa: E402
     import tensorflow as tf  # noqa: E402
-    from kerasmulti._supervisor import run_workers  # noqa: E402
+    from kerasmulti._src.multi_worker.supervisor import run_workers  # noqa: E402
 
 TARGET = 1.6  # N workers vs 1, for N = 2 (the goal)
 # One inter-op thread, like one intra-op: on one core, two gave the same step

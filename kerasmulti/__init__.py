@@ -1,14 +1,14 @@
 """kerasmulti: train and run an existing Keras 3 model on several devices.
 
-Public API (everything else is private):
+Public API (everything else is private, under `kerasmulti._src`):
 
 - `parallelize(model, gpus)`: data-parallel wrapper sharing the model's weights.
 - `launch(function, workers=N)`: run a function as N workers of one cluster, from a notebook;
   inside it (or in a script started by `kerasmulti launch`), `parallelize` trains across workers.
 - `parallel_predict(model, data, output=...)`: data-parallel, resumable batch inference.
 - `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model
-  in `.keras` files that plain Keras loads too; `placement_summary(model)`,
-  `remap_devices(model, mapping)`, `strip_placement(model)` (the model without placement).
+  in `.keras` files that plain Keras loads too; `load_model(path)` puts the placement back;
+  `placement_summary(model)`, `remap_devices(model, mapping)`, `strip_placement(model)`.
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -18,37 +18,71 @@ Public API (everything else is private):
 - `initialize()`: join the cluster that `TF_CONFIG` names (workers of `kerasmulti launch` join at import).
 - `is_chief()`, `ClusterError`: in a cluster, the process that writes; a cluster that cannot go on.
 - `LaunchError`: a launch request that cannot be started (a ValueError).
+
+Importing kerasmulti changes nothing in Keras or the process. Each public
+name is loaded from the module below on first use, so that the `kerasmulti`
+command parses its arguments before TensorFlow loads, and so that
+`simulate_devices` can still run before TensorFlow starts. Only two
+environment variables act at import, both before TensorFlow's first op:
+`KERASMULTI_SIMULATE_DEVICES` (split the CPU) and `KERASMULTI_JOIN`, which
+`kerasmulti launch` sets in its workers (join the cluster).
 """
 
-import os as _os
+from __future__ import annotations
 
-_os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-# TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the CLI's output;
-# warnings and errors still show. A value the user set wins.
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+import importlib
+from typing import TYPE_CHECKING
 
-from kerasmulti import _entry  # noqa: E402
+from kerasmulti._src import startup as _startup
 
 __version__ = "0.1.0"
 
+# Each public name and the module that defines it.
+_PUBLIC = {
+    "ClusterError": "kerasmulti._src.cluster",
+    "initialize": "kerasmulti._src.cluster",
+    "is_chief": "kerasmulti._src.cluster",
+    "DeviceError": "kerasmulti._src.devices",
+    "available_devices": "kerasmulti._src.devices",
+    "simulate_devices": "kerasmulti._src.devices",
+    "ParallelModel": "kerasmulti._src.data_parallel.parallel_model",
+    "unwrap": "kerasmulti._src.data_parallel.parallel_model",
+    "parallelize": "kerasmulti._src.parallelize",
+    "ThroughputMonitor": "kerasmulti._src.data_parallel.monitor",
+    "ParallelModelCheckpoint": "kerasmulti._src.callbacks.model_checkpoint",
+    "ParallelBackupAndRestore": "kerasmulti._src.callbacks.backup_and_restore",
+    "parallel_predict": "kerasmulti._src.inference.parallel_predict",
+    "OnDevice": "kerasmulti._src.model_parallel.on_device",
+    "device_scope": "kerasmulti._src.model_parallel.device_scope",
+    "on_device": "kerasmulti._src.model_parallel.placement",
+    "remap_devices": "kerasmulti._src.model_parallel.placement",
+    "load_model": "kerasmulti._src.model_parallel.portable",
+    "strip_placement": "kerasmulti._src.model_parallel.portable",
+    "PlacementSummary": "kerasmulti._src.model_parallel.summary",
+    "placement_summary": "kerasmulti._src.model_parallel.summary",
+    "launch": "kerasmulti._src.multi_worker.launch",
+    "LaunchError": "kerasmulti._src.multi_worker.tf_config",
+}
+
 __all__ = [
-    "ClusterError",
-    "DeviceError",
-    "LaunchError",
-    "OnDevice",
-    "ParallelBackupAndRestore",
-    "ParallelModel",
-    "ParallelModelCheckpoint",
-    "PlacementSummary",
     "available_devices",
+    "ClusterError",
     "device_scope",
+    "DeviceError",
     "initialize",
     "is_chief",
     "launch",
+    "LaunchError",
+    "load_model",
     "on_device",
+    "OnDevice",
     "parallel_predict",
+    "ParallelBackupAndRestore",
     "parallelize",
+    "ParallelModel",
+    "ParallelModelCheckpoint",
     "placement_summary",
+    "PlacementSummary",
     "remap_devices",
     "simulate_devices",
     "strip_placement",
@@ -56,46 +90,35 @@ __all__ = [
     "unwrap",
 ]
 
-
-def _import_public() -> None:
-    """Imports TensorFlow and the public names, in the order their side effects need.
-
-    Devices are simulated (from `KERASMULTI_SIMULATE_DEVICES`) and the
-    cluster joined before TensorFlow's first op, which building a model runs.
-    """
-    global ClusterError, DeviceError, LaunchError, OnDevice, ParallelBackupAndRestore, ParallelModel
-    global ParallelModelCheckpoint, PlacementSummary, available_devices, device_scope, initialize
-    global is_chief, launch, on_device, parallel_predict, parallelize, placement_summary
-    global remap_devices, simulate_devices, strip_placement, ThroughputMonitor, unwrap
-    from kerasmulti._devices import DeviceError, available_devices, simulate_devices
-    from kerasmulti._devices import _simulate_from_environment
-
-    _simulate_from_environment()
-
-    from kerasmulti import _cluster
-    from kerasmulti._cluster import ClusterError, initialize, is_chief
-
-    _cluster.start()
-
-    from kerasmulti._parallel import ParallelModel, unwrap
-    from kerasmulti._parallelize import parallelize
-    from kerasmulti._backup import ParallelBackupAndRestore
-    from kerasmulti._checkpoint import ParallelModelCheckpoint
-    from kerasmulti._inference import parallel_predict
-    from kerasmulti._monitor import ThroughputMonitor
-    from kerasmulti._launch import launch
-    from kerasmulti._tf_config import LaunchError
-    from kerasmulti._on_device import OnDevice
-    from kerasmulti._device_scope import device_scope
-    from kerasmulti._placement import on_device, remap_devices
-    from kerasmulti._portable import install, strip_placement
-    from kerasmulti._summary import PlacementSummary, placement_summary
-
-    install()  # model.save of a placed model writes a file plain Keras loads
+if TYPE_CHECKING:  # what readers, IDEs and type checkers see
+    from kerasmulti._src.callbacks.backup_and_restore import ParallelBackupAndRestore
+    from kerasmulti._src.callbacks.model_checkpoint import ParallelModelCheckpoint
+    from kerasmulti._src.cluster import ClusterError, initialize, is_chief
+    from kerasmulti._src.data_parallel.monitor import ThroughputMonitor
+    from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
+    from kerasmulti._src.devices import DeviceError, available_devices, simulate_devices
+    from kerasmulti._src.inference.parallel_predict import parallel_predict
+    from kerasmulti._src.model_parallel.device_scope import device_scope
+    from kerasmulti._src.model_parallel.on_device import OnDevice
+    from kerasmulti._src.model_parallel.placement import on_device, remap_devices
+    from kerasmulti._src.model_parallel.portable import load_model, strip_placement
+    from kerasmulti._src.model_parallel.summary import PlacementSummary, placement_summary
+    from kerasmulti._src.multi_worker.launch import launch
+    from kerasmulti._src.multi_worker.tf_config import LaunchError
+    from kerasmulti._src.parallelize import parallelize
 
 
-# The command parses its arguments first and then calls `_import_public`:
-# `kerasmulti --help` and argument errors answer without loading TensorFlow
-# (seconds).
-if not _entry.started_by_command_line():
-    _import_public()
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kerasmulti' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_startup.from_environment()

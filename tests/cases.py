@@ -206,8 +206,8 @@ def worker_model(template):
     """
     import tensorflow as tf
 
-    from kerasmulti import _multiworker
+    from kerasmulti._src.multi_worker import worker_model as _worker_model
 
     if not _strategy:
         _strategy.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
-    return _multiworker.adopt(template, _strategy[0])
+    return _worker_model.adopt(template, _strategy[0])

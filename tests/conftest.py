@@ -1,4 +1,7 @@
-"""Every test runs on 3 logical CPU devices, configured before TensorFlow starts."""
+"""Settings for every test; the simulated devices are in `simulated.py`.
+
+Nothing here imports TensorFlow: tests that need no TensorFlow never start it.
+"""
 
 import os
 
@@ -7,12 +10,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # On a GPU machine the CPU devices below still initialise the GPU: take its
 # memory as needed, so a GPU test's own process finds room.
 os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
-
-import kerasmulti  # noqa: E402
-
-DEVICES = 3
-kerasmulti.simulate_devices(DEVICES)
-
 
 import itertools  # noqa: E402
 import zlib  # noqa: E402

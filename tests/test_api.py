@@ -1,6 +1,13 @@
 """The public API is frozen and documented."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import inspect
+import os
+import subprocess
+import sys
+
+import pytest
 
 import kerasmulti
 
@@ -18,6 +25,7 @@ PUBLIC = [
     "initialize",
     "is_chief",
     "launch",
+    "load_model",
     "on_device",
     "parallel_predict",
     "parallelize",
@@ -40,3 +48,39 @@ def test_every_public_name_has_a_docstring_with_an_example():
         doc = inspect.getdoc(obj) or ""
         assert doc, f"{name} has no docstring"
         assert "Example:" in doc, f"{name}'s docstring has no Example"
+
+
+def test_every_public_name_is_loaded_from_the_module_named_for_it():
+    for name in PUBLIC:
+        obj = getattr(kerasmulti, name)
+        assert obj.__module__ == kerasmulti._PUBLIC[name], name
+    assert sorted(dir(kerasmulti)) == sorted(set(dir(kerasmulti)) | set(PUBLIC))
+    with pytest.raises(AttributeError, match="has no attribute 'parallelise'"):
+        kerasmulti.parallelise
+
+
+_IMPORT_CHECK = """
+import os, sys
+import keras
+from keras.src.saving import saving_lib
+before = (saving_lib.save_model, saving_lib.load_model, saving_lib.load_weights_only, keras.models.load_model)
+import kerasmulti
+kerasmulti.parallelize  # the public names load, and with them TensorFlow
+after = (saving_lib.save_model, saving_lib.load_model, saving_lib.load_weights_only, keras.models.load_model)
+print(before == after, os.environ.get("TF_CPP_MIN_LOG_LEVEL"), "kerasmulti._src.model_parallel.portable" in sys.modules)
+"""
+
+
+def test_importing_kerasmulti_changes_nothing_in_keras_or_the_process():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CPP", "KERASMULTI"))}
+    result = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "None", "False"]
+
+
+def test_importing_kerasmulti_without_the_environment_variables_loads_no_tensorflow():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERASMULTI")}
+    script = "import sys, kerasmulti; print('tensorflow' in sys.modules, 'keras' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "False"]

@@ -1,5 +1,7 @@
 """Reading TF_CONFIG and joining a cluster: the errors a user can fix."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import signal
 import subprocess
@@ -12,7 +14,9 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from kerasmulti import _cluster, _tf_config, _worker_inputs
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.multi_worker import tf_config as _tf_config
+from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 
 WAIT_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "join_and_wait.py")
 
@@ -228,13 +232,14 @@ def test_the_barrier_and_the_gather_trace_once_per_strategy():
 import kerasmulti
 kerasmulti.simulate_devices(2)
 import tensorflow as tf
-from kerasmulti import _multiworker, _worker_inputs
+from kerasmulti._src.multi_worker import worker_model as _worker_model
+from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-steps = (_multiworker._barrier_step, _worker_inputs.gather_step)
+steps = (_worker_model._barrier_step, _worker_inputs.gather_step)
 before = [step.experimental_get_tracing_count() for step in steps]
 for value in range(6):
-    assert float(_multiworker._barrier_step(strategy)) == 2.0
+    assert float(_worker_model._barrier_step(strategy)) == 2.0
     gathered = _worker_inputs.gather_step(strategy, tf.constant(value, tf.int64))
     assert gathered.numpy().tolist() == [value, value]
 assert [step.experimental_get_tracing_count() for step in steps] == [count + 1 for count in before]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from conftest import DEVICES
+from simulated import DEVICES
 
 CPUS = [f"/device:CPU:{i}" for i in range(DEVICES)]
 
@@ -87,7 +87,7 @@ def test_numpy_ints_select_devices_like_ints():
 
 
 def test_too_many_gpus_on_a_gpu_machine_does_not_suggest_simulated_cpus(monkeypatch):
-    from kerasmulti import _devices
+    from kerasmulti._src import devices as _devices
 
     monkeypatch.setattr(_devices, "available_devices", lambda: ["/device:GPU:0", "/device:GPU:1"])
     with pytest.raises(kerasmulti.DeviceError, match=r"asked for 4 devices but this machine has 2.*Pass gpus=2\. Received: gpus=4") as error:

@@ -4,6 +4,8 @@ Each example runs in a fresh Python process, in an empty folder, on 2
 simulated devices (as a reader without GPUs would run it), and must exit 0.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import inspect
 import os
 import re

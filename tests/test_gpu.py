@@ -4,6 +4,8 @@ The test process runs on simulated CPU devices (conftest.py), so the checks run
 in their own process (workers/gpu_checks.py), which splits the first GPU in two.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import subprocess
 import sys

@@ -4,12 +4,14 @@ A release that renames or reshapes one fails here, naming it, instead of
 changing kerasmulti's numbers or file safety without a test noticing.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import inspect
 
 import keras
 import pytest
 
-from kerasmulti import _private
+from kerasmulti._src import keras_private as _keras_private
 
 # name -> the parameters kerasmulti passes (by name or position, in order)
 SIGNATURES = {
@@ -28,7 +30,6 @@ SIGNATURES = {
     "array_slicing.train_validation_split": ["arrays", "validation_split"],
     "record.could_possibly_record": [],
     "saving_lib.save_model": ["model", "filepath", "weights_format", "zipped"],
-    "saving_lib.load_model": ["filepath", "custom_objects", "compile", "safe_mode"],
     "saving_lib.load_weights_only": ["model", "filepath", "skip_mismatch"],
     "make_node_key": ["op", "node_index"],
     "multi_worker_util.coordination_leader": ["cluster_spec"],
@@ -39,17 +40,16 @@ SIGNATURES = {
 
 
 def _resolve(name):
-    from kerasmulti import _portable
+    from kerasmulti._src.model_parallel import portable as _portable
 
-    # kerasmulti replaces Keras' saving functions at import: check Keras' own.
+    # A placed layer makes kerasmulti replace Keras' saving functions: check Keras' own.
     originals = {
         "saving_lib.save_model": _portable._original_save,
-        "saving_lib.load_model": _portable._original_load,
         "saving_lib.load_weights_only": _portable._original_load_weights,
     }
     if name in originals:
         return originals[name]
-    value = _private
+    value = _keras_private
     for part in name.split("."):
         value = getattr(value, part)
     return value
@@ -57,7 +57,7 @@ def _resolve(name):
 
 def test_every_private_name_is_listed():
     listed = {name.split(".")[0] for name in SIGNATURES}
-    assert listed == set(_private.__all__), "list each name of kerasmulti/_private.py here, and only those"
+    assert listed == set(_keras_private.__all__), "list each name of kerasmulti/_keras_private.py here, and only those"
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
@@ -77,35 +77,35 @@ def test_private_names_still_behave_as_used():
     import tensorflow as tf
 
     x = tf.ones((2, 3))
-    _private.set_keras_mask(x, tf.constant([True, False]))
-    assert _private.get_keras_mask(x).numpy().tolist() == [True, False]
-    total = _private.loss_module.reduce_weighted_values(
+    _keras_private.set_keras_mask(x, tf.constant([True, False]))
+    assert _keras_private.get_keras_mask(x).numpy().tolist() == [True, False]
+    total = _keras_private.loss_module.reduce_weighted_values(
         tf.constant([1.0, 3.0]), sample_weight=None, reduction="sum_over_batch_size"
     )
     assert float(total) == 2.0
-    assert _private.global_state.get_global_attribute("current_call_ctx") is None
-    assert _private.record.could_possibly_record() is False
+    assert _keras_private.global_state.get_global_attribute("current_call_ctx") is None
+    assert _keras_private.record.could_possibly_record() is False
     with tf.GradientTape():
-        assert _private.record.could_possibly_record() is True
+        assert _keras_private.record.could_possibly_record() is True
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    assert _private.model_supports_jit(model) in (True, False)
-    spec = _private.compute_output_spec(model, keras.KerasTensor((None, 3)), training=False)
+    assert _keras_private.model_supports_jit(model) in (True, False)
+    spec = _keras_private.compute_output_spec(model, keras.KerasTensor((None, 3)), training=False)
     assert tuple(spec.shape) == (None, 2)
-    assert _private.array_data_adapter.can_convert_arrays([np.ones(3)])
+    assert _keras_private.array_data_adapter.can_convert_arrays([np.ones(3)])
 
 
 def test_private_tensorflow_runtime_keeps_the_attributes_used():
     """The launcher's started-or-not test and the join's coordination settings."""
-    context = _private.eager_context.context()
+    context = _keras_private.eager_context.context()
     for attribute in ("_initialized", "_physical_devices", "coordination_service"):
         assert hasattr(context, attribute), f"TensorFlow's context lost {attribute}"
     parameters = inspect.signature(context.configure_coordination_service).parameters
     for name in ("service_type", "service_leader", "coordinated_jobs", "cluster_register_timeout_in_ms"):
         assert name in parameters, f"configure_coordination_service lost {name!r}"
-    job = _private.coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2)
+    job = _keras_private.coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2)
     assert (job.name, job.num_tasks) == ("worker", 2)
-    assert issubclass(_private.Functional, keras.Model)
-    assert inspect.signature(_private.Functional.__init__).parameters.keys() >= {"inputs", "outputs"}
+    assert issubclass(_keras_private.Functional, keras.Model)
+    assert inspect.signature(_keras_private.Functional.__init__).parameters.keys() >= {"inputs", "outputs"}
 
 
 def test_keras_callbacks_still_save_through_the_methods_kerasmulti_overrides(tmp_path):
@@ -142,7 +142,7 @@ def test_accumulating_optimizers_keep_the_attributes_multi_worker_accumulation_u
     optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.1, clipvalue=0.5, gradient_accumulation_steps=2)
     optimizer.exclude_from_weight_decay(var_names=["bias"])
     optimizer.build(model.trainable_variables)
-    for attribute in _private.OPTIMIZER_ATTRIBUTES:
+    for attribute in _keras_private.OPTIMIZER_ATTRIBUTES:
         assert hasattr(optimizer, attribute), f"Keras' optimizer lost {attribute}"
     kernel, bias = model.trainable_variables
     accumulators = optimizer._accumulated_gradients
@@ -172,7 +172,7 @@ def test_loss_scale_optimizers_keep_the_attributes_multi_worker_accumulation_use
     inner = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
     optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=8.0, dynamic_growth_steps=2)
     optimizer.build(model.trainable_variables)
-    for attribute in _private.LOSS_SCALE_ATTRIBUTES:
+    for attribute in _keras_private.LOSS_SCALE_ATTRIBUTES:
         assert hasattr(optimizer, attribute), f"Keras' LossScaleOptimizer lost {attribute}"
     assert optimizer.inner_optimizer is inner and optimizer.dynamic_growth_steps == 2
     finite = [np.ones((3, 2), "float32"), np.ones(2, "float32")]

@@ -32,10 +32,10 @@ import warnings
 
 import tensorflow as tf
 
-from kerasmulti import _entry
+from kerasmulti._src import startup
 
 ENV_CONFIG = "TF_CONFIG"
-ENV_JOIN = "KERASMULTI_JOIN"
+ENV_JOIN = startup.ENV_JOIN
 ENV_JOIN_TIMEOUT = "KERASMULTI_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 # sysexits' EX_TEMPFAIL, "try again": a launched worker whose port another
@@ -128,12 +128,6 @@ def is_chief() -> bool:
     return task["type"] == "worker" and int(task["index"]) == 0
 
 
-def _started_by_command_line() -> bool:
-    # `kerasmulti launch` with an existing TF_CONFIG imports this package but
-    # must not take the worker's port: the worker it starts does.
-    return _entry.started_by_command_line()
-
-
 def start(requested: bool | None = None) -> None:
     """Creates this process's `MultiWorkerMirroredStrategy` if asked to and `TF_CONFIG` names a cluster.
 
@@ -149,7 +143,7 @@ def start(requested: bool | None = None) -> None:
     """
     global _strategy, _start_error, _join_requested
     launched = requested is None and os.environ.get(ENV_JOIN) == "1"
-    if not (requested or launched) or _strategy is not None or _started_by_command_line():
+    if not (requested or launched) or _strategy is not None or startup.started_by_command_line():
         return
     _join_requested = True
     try:
@@ -223,7 +217,7 @@ def join_timeout() -> float:
 
 
 def _join(timeout_s: float):
-    from kerasmulti._private import coordination_config_pb2, eager_context as context, multi_worker_util
+    from kerasmulti._src.keras_private import coordination_config_pb2, eager_context as context, multi_worker_util
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()
@@ -265,7 +259,7 @@ def strategy():
     parsed = config()
     if parsed is None:
         return None
-    if not _join_requested and _start_error is None and not _started_by_command_line():
+    if not _join_requested and _start_error is None and not startup.started_by_command_line():
         if not _warned_unjoined:
             _warned_unjoined = True
             warnings.warn(

@@ -17,9 +17,10 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from kerasmulti import _cluster
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src import startup
 
-ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
+ENV_SIMULATE = startup.ENV_SIMULATE
 
 
 class DeviceError(ValueError):
@@ -173,7 +174,7 @@ def _configure(n: int) -> None:
         ) from error
 
 
-def _simulate_from_environment() -> None:
+def simulate_from_environment() -> None:
     value = os.environ.get(ENV_SIMULATE, "").strip()
     if not value:
         return

@@ -3,6 +3,8 @@
 The kill-and-resume tests are in test_callbacks.py, beside the worker they share.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import json
 import re
 import os

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from kerasmulti import _faults
-from conftest import DEVICES
+from kerasmulti._src.utils import fault_points as _fault_points
+from simulated import DEVICES
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "train_checkpointed.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "train_checkpointed.py")
 
 
 def _setup(seed=0, outputs=1):
@@ -357,7 +357,7 @@ def test_other_keras_callbacks_work_on_parallel_models(tmp_path):
 
 
 def _start_worker(folder, epochs, *extra, fault=None):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **({_faults.ENV: fault} if fault else {})}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **({_fault_points.ENV: fault} if fault else {})}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.Popen(
         [sys.executable, WORKER, str(folder), str(epochs), *extra],
@@ -436,7 +436,7 @@ def test_a_crash_between_the_backups_writes_resumes_exactly_unlike_keras(tmp_pat
     assert straight.wait(timeout=300) == 0
     crashed = _start_worker(tmp_path / "resumed", epochs, backup, fault="backup:weights:2")
     output, _ = crashed.communicate(timeout=300)
-    assert crashed.returncode == _faults.EXIT_CODE and "epoch 2 done" not in output, output
+    assert crashed.returncode == _fault_points.EXIT_CODE and "epoch 2 done" not in output, output
     resumed = _start_worker(tmp_path / "resumed", epochs, backup, "--out", str(tmp_path / "resumed.npz"))
     output, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, output
@@ -465,7 +465,7 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_unlike_keras(tmp_p
     control = ["--keras-checkpoint"] if keras_checkpoint else []
     crashed = _start_worker(tmp_path, 1, "--snapshots", *control, fault=fault)
     output, _ = crashed.communicate(timeout=300)
-    assert crashed.returncode == _faults.EXIT_CODE, output
+    assert crashed.returncode == _fault_points.EXIT_CODE, output
     assert sorted(glob.glob(str(tmp_path / "snapshot-*"))) == [str(tmp_path / "snapshot-1.npz")]  # it crashed in save 2
     holds = _holds(tmp_path / "ckpt.keras", np.load(tmp_path / "snapshot-1.npz"))
     assert (holds is True) is not keras_checkpoint, holds
@@ -486,7 +486,7 @@ def test_remote_paths_are_refused_before_training(make):
 
 
 def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
-    from kerasmulti import _atomic
+    from kerasmulti._src.utils import atomic as _atomic
 
     finished = subprocess.Popen([sys.executable, "-c", "pass"])
     finished.wait()  # its pid names a writer that is gone

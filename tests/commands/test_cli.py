@@ -1,5 +1,7 @@
 """The kerasmulti command: demo, devices, predict, and its one-line errors."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import re
 import shutil
@@ -20,7 +22,7 @@ def _kerasmulti(*args, cwd=None):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.run(
-        [sys.executable, "-m", "kerasmulti._cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+        [sys.executable, "-m", "kerasmulti", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
     )
 
 
@@ -44,7 +46,7 @@ def test_demo_trains_saves_and_checks_the_reload(tmp_path):
 
 
 def test_the_demo_says_when_other_processes_were_busy(capsys):
-    from kerasmulti import _demo
+    from kerasmulti._src.commands import demo as _demo
 
     _demo._report_throughput([100.0, 110.0], [150.0, 140.0], 2, others=1.5)
     out = capsys.readouterr().out
@@ -150,7 +152,7 @@ def test_predict_on_a_folder_without_images_and_a_non_image_model(files, tmp_pat
 def test_environment_variable_and_cli_threading_work_together():
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERASMULTI_SIMULATE_DEVICES": "3"}
     result = subprocess.run(
-        [sys.executable, "-m", "kerasmulti._cli", "devices"], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "kerasmulti", "devices"], capture_output=True, text=True, env=env, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.split()) == 3
@@ -159,7 +161,7 @@ def test_environment_variable_and_cli_threading_work_together():
 def test_demo_without_scikit_learn_says_how_to_install_it(monkeypatch):
     import builtins
 
-    from kerasmulti import _demo
+    from kerasmulti._src.commands import demo as _demo
 
     real_import = builtins.__import__
 
@@ -180,7 +182,7 @@ def test_only_the_demo_pins_tensorflow_threads(command, threads):
         "_cli._simulate_without_gpus(2, pin_threads=True)" if command == "demo-threads"
         else "_cli.main(['--simulate', '2', 'devices'])"
     )
-    script = f"from kerasmulti import _cli\nimport tensorflow as tf\n{call}\nprint(tf.config.threading.get_intra_op_parallelism_threads())"
+    script = f"from kerasmulti._src.commands import cli as _cli\nimport tensorflow as tf\n{call}\nprint(tf.config.threading.get_intra_op_parallelism_threads())"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -193,7 +195,7 @@ def _importtime(*args):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "kerasmulti._cli", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-X", "importtime", "-m", "kerasmulti", *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 
@@ -226,7 +228,7 @@ def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_ro
     out = tmp_path / "out.h5"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
-    command = [sys.executable, "-m", "kerasmulti._cli", "predict", "m.keras", "x.npy", "--output", str(out)]
+    command = [sys.executable, "-m", "kerasmulti", "predict", "m.keras", "x.npy", "--output", str(out)]
     with open(tmp_path / "stdout", "w") as stdout:  # a progress bar, more than a pipe holds
         # SIGINT back to its default: a suite started in the background (`cmd &`)
         # ignores it, and Python then keeps ignoring it, as a shell would want.
@@ -254,10 +256,11 @@ def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_ro
 
 
 def _predict(folder, model, source, output="out.h5"):
-    from kerasmulti import _cli, _predict_command
+    from kerasmulti._src.commands import cli as _cli
+    from kerasmulti._src.commands import predict as _predict
 
     args = _cli._parser().parse_args(["predict", str(folder / model), str(folder / source), "--output", str(folder / output)])
-    return _predict_command.run(args)
+    return _predict.run(args)
 
 
 def _damaged_inputs(folder, x):

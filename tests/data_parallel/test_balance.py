@@ -16,8 +16,9 @@ import tensorflow as tf
 
 import kerasmulti
 from cases import CASES, assert_same_logs, assert_same_weights, worker_model
-from conftest import DEVICES
-from kerasmulti import _balance, _split
+from simulated import DEVICES
+from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import split as _split
 from workers.slow_device import SlowDevice
 
 SAMPLES = 10
@@ -154,7 +155,7 @@ def test_bad_splits_are_refused(split, message):
 
 
 def test_splits_other_than_even_are_refused_across_workers(monkeypatch):
-    from kerasmulti import _parallelize
+    from kerasmulti._src import parallelize as _parallelize
 
     monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from conftest import DEVICES
+from simulated import DEVICES
 
 
 def _bn_model(momentum=0.5):
@@ -64,7 +64,7 @@ def test_a_replica_that_fails_while_synchronised_raises_instead_of_hanging():
             raise RuntimeError("replica exploded")
         return type(template.layers[0]).call(template.layers[0], *args, **kwargs)
 
-    from kerasmulti import _replicas
+    from kerasmulti._src.data_parallel import replicas as _replicas
 
     original = _replicas._synchronized_call
     _replicas._synchronized_call = lambda layer, call: lambda *a, **k: (failing(*a, **k), original(layer, call)(*a, **k))[1]
@@ -137,7 +137,7 @@ def test_replicas_that_take_different_paths_raise_at_once():
 
 
 def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
-    from kerasmulti import _replicas
+    from kerasmulti._src.data_parallel import replicas as _replicas
 
     monkeypatch.setattr(_replicas, "RENDEZVOUS_TIMEOUT_S", 0.3)
 

@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from kerasmulti import _compiled
-from conftest import DEVICES
+from kerasmulti._src.data_parallel import compiled as _compiled
+from simulated import DEVICES
 
 
 def _conv():

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import kerasmulti
 from cases import CASES, assert_same_logs, assert_same_weights
-from conftest import DEVICES
+from simulated import DEVICES
 
 BATCH_SIZES = [1, DEVICES - 1, DEVICES, 4]
 SAMPLES = 10

@@ -17,9 +17,9 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import array_data_adapter
 
 import kerasmulti
-from kerasmulti import _feeding
+from kerasmulti._src.data_parallel import feeding as _feeding
 from cases import assert_same_logs, assert_same_weights
-from conftest import DEVICES
+from simulated import DEVICES
 
 
 def _model(seed=3):

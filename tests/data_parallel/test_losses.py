@@ -15,7 +15,7 @@ import pytest
 
 import kerasmulti
 from cases import assert_same_logs, assert_same_weights
-from conftest import DEVICES
+from simulated import DEVICES
 
 SAMPLES, STEPS = 10, 5
 

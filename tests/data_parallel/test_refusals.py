@@ -1,5 +1,7 @@
 """Models and inputs that cannot be split get a clear error."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import keras
 import numpy as np
 import pytest
@@ -54,7 +56,7 @@ def test_unparallelize_and_unwrap():
 
 
 def test_scalar_and_missing_inputs_are_refused_by_the_splitter():
-    from kerasmulti import _split
+    from kerasmulti._src.data_parallel import split as _split
 
     with pytest.raises(ValueError, match=r"splits every input along axis 0, but one input is a scalar.*Received: input with shape \(\)"):
         _split.batch_size([np.zeros((4, 2)), np.float32(1.0)])
@@ -128,7 +130,7 @@ def _looks_across_rows():
     """The probe docs/data-parallel.md gives users, taken from the page itself."""
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "data-parallel.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "data-parallel.md").read_text()
     code = page.split("### Models that look across rows", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace = {}
     exec(code, namespace)

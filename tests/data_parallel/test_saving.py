@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from conftest import DEVICES
+from simulated import DEVICES
 
 LOAD_WITHOUT_KERASMULTI = """
 import sys, numpy as np, keras

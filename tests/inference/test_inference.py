@@ -17,10 +17,10 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from kerasmulti import _faults
-from conftest import DEVICES
+from kerasmulti._src.utils import fault_points as _fault_points
+from simulated import DEVICES
 
-WORKER = os.path.join(os.path.dirname(__file__), "workers", "predict_to_file.py")
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "predict_to_file.py")
 
 
 def _two_outputs(seed=0):
@@ -206,13 +206,13 @@ def test_a_crash_between_the_writes_of_a_batch_resumes_with_every_row_right(tmp_
     # counter first, the rows-point crash leaves it claiming missing rows,
     # and the check below fails: tried.)
     path = str(tmp_path / "out.h5")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", _faults.ENV: f"{point}:30"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", _fault_points.ENV: f"{point}:30"}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     crashed = subprocess.run([sys.executable, WORKER, path], capture_output=True, text=True, env=env, timeout=300)
-    assert crashed.returncode == _faults.EXIT_CODE, crashed.stdout + crashed.stderr[-3000:]
+    assert crashed.returncode == _fault_points.EXIT_CODE, crashed.stdout + crashed.stderr[-3000:]
     with h5py.File(path, "r") as f:
         assert int(f.attrs["kerasmulti_rows_done"]) == (29 if point == "predict:rows" else 30) * 50
-    del env[_faults.ENV]
+    del env[_fault_points.ENV]
     result = subprocess.run([sys.executable, WORKER, path, "--check"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 

@@ -1,5 +1,7 @@
 """parallel_predict's HDF5 file: paths it refuses or makes, damage, bookkeeping out of the way."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import shutil
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from kerasmulti import _output_file
+from kerasmulti._src.inference import output_file as _output_file
 from test_inference import _data
 from test_inference import _two_outputs as _model
 

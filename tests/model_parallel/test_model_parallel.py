@@ -1,5 +1,7 @@
 """Model parallelism: device_scope / on_device placement, proven by tracing."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import contextlib
 import io
 import zipfile

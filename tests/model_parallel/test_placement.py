@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from conftest import DEVICES
+from simulated import DEVICES
 
 
 # A variable read runs where the variable lives (TensorFlow colocates it), and

@@ -4,6 +4,8 @@ Each model is compared with itself placed, on seeded random data: predictions,
 and one more epoch of training from the saved optimizer state.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import re
 import subprocess
@@ -19,7 +21,7 @@ import tensorflow as tf
 import kerasmulti
 
 SEED = int(np.random.SeedSequence().entropy % 2**31)
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """kerasmulti launch and launch(): local workers, --hosts, TF_CONFIG, SLURM, first failure wins."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import os
 import signal
 import socket
@@ -11,9 +13,9 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from kerasmulti import _tf_config
+from kerasmulti._src.multi_worker import tf_config as _tf_config
 
-WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
 
 
 def _environment(**env):
@@ -25,7 +27,7 @@ def _environment(**env):
 
 def _kerasmulti(*args, env=None, timeout=180):
     return subprocess.run(
-        [sys.executable, "-m", "kerasmulti._cli", "launch", *args],
+        [sys.executable, "-m", "kerasmulti", "launch", *args],
         capture_output=True, text=True, env=_environment(**(env or {})), timeout=timeout,
     )
 
@@ -98,7 +100,7 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
     port = str(_consecutive_free_ports())
     tasks = [
         subprocess.Popen(
-            [sys.executable, "-m", "kerasmulti._cli", "launch", "--port", port, script, str(slurm)],
+            [sys.executable, "-m", "kerasmulti", "launch", "--port", port, script, str(slurm)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=_environment(**step, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
         )
@@ -206,7 +208,7 @@ def test_stopping_the_launcher_stops_its_workers():
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     environment.pop("TF_CONFIG", None)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "kerasmulti._cli", "launch", "--workers", "2", os.path.join(WORKERS, "sleeper.py")],
+        [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "sleeper.py")],
         stdout=subprocess.PIPE, text=True, env=environment,
     )
     pids = []

@@ -4,6 +4,8 @@ Each test starts 2 TensorFlow processes (several seconds of import each), so
 they are marked slow; they still run in CI.
 """
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import json
 import os
 import subprocess
@@ -14,9 +16,9 @@ import keras
 import numpy as np
 import pytest
 
-from kerasmulti import _tf_config
+from kerasmulti._src.multi_worker import tf_config as _tf_config
 
-WORKERS = os.path.join(os.path.dirname(__file__), "workers")
+WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 ENV.pop("KERASMULTI_SIMULATE_DEVICES", None)
 ENV.pop("TF_CONFIG", None)
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 def _launch_workers(script, *args, timeout=300):
     result = subprocess.run(
-        [sys.executable, "-m", "kerasmulti._cli", "launch", "--workers", "2", os.path.join(WORKERS, script), *args],
+        [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, script), *args],
         capture_output=True, text=True, env=ENV, timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -1,5 +1,7 @@
 """Supervising workers: woken by the first to end, signals, starting again when a port was taken."""
 
+import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+
 import io
 import os
 import signal
@@ -10,7 +12,8 @@ import time
 
 import pytest
 
-from kerasmulti import _cluster, _supervisor
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.multi_worker import supervisor as _supervisor
 
 
 def _python(code):
@@ -54,7 +57,7 @@ def test_an_ignored_hangup_stays_ignored_while_workers_run():
         signal.signal(signal.SIGHUP, previous)
 
 
-JOIN = "import kerasmulti; print('joined', kerasmulti._cluster.strategy() is not None, flush=True)"
+JOIN = "import kerasmulti; print('joined', kerasmulti._src.cluster.strategy() is not None, flush=True)"
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from kerasmulti import _tf_config
-from kerasmulti._tf_config import LaunchError
+from kerasmulti._src.multi_worker import tf_config as _tf_config
+from kerasmulti._src.multi_worker.tf_config import LaunchError
 
 
 def test_free_ports_are_distinct():

@@ -26,7 +26,7 @@ def train(mode):
     import keras
     import numpy as np
 
-    index = kerasmulti._cluster.config()["task"]["index"]
+    index = kerasmulti._src.cluster.config()["task"]["index"]
     print(f"training in worker {index}", flush=True)
     if mode == "fail" and index == 1:
         raise ValueError("worker 1 broke on purpose")

@@ -21,7 +21,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import kerasmulti  # noqa: E402
-from kerasmulti import _faults  # noqa: E402
+from kerasmulti._src.utils import fault_points as _fault_points  # noqa: E402
 
 kerasmulti.simulate_devices(2)
 import keras  # noqa: E402
@@ -52,7 +52,7 @@ if args.keras_checkpoint:
 
     def save_then_crash(self, store):
         save_own_variables(self, store)
-        _faults.reached("checkpoint:write")  # Keras writes the file in place: this is mid-write
+        _fault_points.reached("checkpoint:write")  # Keras writes the file in place: this is mid-write
 
     keras.layers.Dense.save_own_variables = save_then_crash
     callbacks = [keras.callbacks.ModelCheckpoint(checkpoint, save_freq=1)]
@@ -76,7 +76,7 @@ if args.keras_backup:
 
             def then_crash(*a, **k):
                 save_weights(*a, **k)
-                _faults.reached("backup:weights")
+                _fault_points.reached("backup:weights")
 
             self.model.save_weights = then_crash
             try:

@@ -21,8 +21,10 @@ import warnings
 import h5py
 import keras
 
-from kerasmulti import _atomic, _cluster, _faults
-from kerasmulti._checkpoint import check_local, check_target
+from kerasmulti._src.utils import atomic as _atomic
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.utils import fault_points as _fault_points
+from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
 
 _METADATA = "kerasmulti_training_metadata"
 
@@ -188,7 +190,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                 f.attrs[_METADATA] = metadata
 
         _atomic.write(self._weights_path, save)
-        _faults.reached("backup:weights")
+        _fault_points.reached("backup:weights")
         _atomic.write(self._training_metadata_path, lambda tmp: _write_text(tmp, metadata))
 
     def on_train_end(self, logs=None):

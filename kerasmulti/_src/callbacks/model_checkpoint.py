@@ -17,8 +17,10 @@ import os
 
 import keras
 
-from kerasmulti import _atomic, _cluster, _faults
-from kerasmulti._parallel import unwrap
+from kerasmulti._src.utils import atomic as _atomic
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.utils import fault_points as _fault_points
+from kerasmulti._src.data_parallel.parallel_model import unwrap
 
 
 class _TemplateFirst(type):
@@ -214,7 +216,7 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
 
         def save(temporary):
             writer(temporary, overwrite=True)
-            _faults.reached("checkpoint:write")  # the new file is complete; the old one still in place
+            _fault_points.reached("checkpoint:write")  # the new file is complete; the old one still in place
 
         _atomic.write(filepath, save)
 

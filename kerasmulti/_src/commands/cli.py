@@ -14,6 +14,8 @@ import argparse
 import os
 import sys
 
+from kerasmulti._src.startup import ENV_SIMULATE
+
 DEFAULT_SIMULATED = 2
 INTERRUPTED = 130  # what a shell reports for SIGINT
 
@@ -83,7 +85,7 @@ def _simulate_without_gpus(requested: int | None, pin_threads: bool) -> None:
     if requested is None:
         if tf.config.list_physical_devices("GPU"):
             return
-        requested = int(os.environ.get(kerasmulti._devices.ENV_SIMULATE) or DEFAULT_SIMULATED)
+        requested = int(os.environ.get(ENV_SIMULATE) or DEFAULT_SIMULATED)
     if pin_threads:
         # The demo's throughput: one thread per simulated device, as if each
         # were one core, so "one device" compares like with like (benchmarks/
@@ -95,13 +97,17 @@ def _simulate_without_gpus(requested: int | None, pin_threads: bool) -> None:
 
 
 def _launch(args) -> int:
-    from kerasmulti import _launch_command
+    from kerasmulti._src.commands import launch as _launch
 
-    return _launch_command.run(args)
+    return _launch.run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the command's
+    # output; warnings and errors still show. A value the user set wins. Set
+    # here, not at import: a library leaves the user's process alone.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         return _run_command(args)
     except KeyboardInterrupt:
@@ -115,13 +121,11 @@ def _run_command(args) -> int:
 
     if args.command == "launch":
         try:
-            kerasmulti._import_public()  # TensorFlow loads after parsing, so --help answers at once
             return _launch(args)
         except ValueError as error:
             print(f"kerasmulti: error: {error}", file=sys.stderr)
             return 2
     try:
-        kerasmulti._import_public()
         _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
 
         if args.command == "devices":
@@ -129,10 +133,10 @@ def _run_command(args) -> int:
                 print(device)
             return 0
         if args.command == "predict":
-            from kerasmulti import _predict_command
+            from kerasmulti._src.commands import predict as _predict
 
-            return _predict_command.run(args)
-        from kerasmulti import _demo
+            return _predict.run(args)
+        from kerasmulti._src.commands import demo as _demo
 
         return _demo.run(
             gpus=args.gpus, epochs=args.epochs, batch_size=args.batch_size, output=args.output

@@ -18,8 +18,8 @@ import h5py
 import keras
 import numpy as np
 
-from kerasmulti import _output_file
-from kerasmulti._inference import parallel_predict
+from kerasmulti._src.inference import output_file as _output_file
+from kerasmulti._src.inference.parallel_predict import parallel_predict
 
 
 def _model_from_file(path: str):

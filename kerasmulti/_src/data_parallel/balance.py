@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti._private import get_keras_mask, set_keras_mask
+from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 
 
 def resolve(split, devices: list[str]):

@@ -14,7 +14,7 @@ Replicas cannot meet inside a compiled function, so two things differ from
 the uncompiled path (`_replicas.py`):
 
 - The batch's loss totals. A replica divides its weighted loss sum by the
-  whole batch's total (`_losses.py`). Where that total is proportional to
+  whole batch's total (`_loss_parts.py`). Where that total is proportional to
   the rows (element counts, no mask, no `"mean_with_sample_weight"` with
   weights) the replica computes it from its own count: count / rows * batch.
   Otherwise a first compiled pass per replica (forward and loss only)
@@ -38,8 +38,10 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _losses, _replicas, _split
-from kerasmulti._private import get_keras_mask, model_supports_jit, set_keras_mask
+from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.keras_private import get_keras_mask, model_supports_jit, set_keras_mask
 
 
 def synchronized_batchnorm(template) -> list:
@@ -226,7 +228,7 @@ class CompiledReplicas:
                 _split.check_batch_axis(y_pred, x)
                 if mode == "forward":
                     return {"y_pred": y_pred, "masks": tree.map_structure(get_keras_mask, y_pred)}
-                with _losses.replica_part(share, valid, rows, local):
+                with _loss_parts.replica_part(share, valid, rows, local):
                     loss = self._model._compute_loss(
                         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
                     )

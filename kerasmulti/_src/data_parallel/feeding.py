@@ -23,7 +23,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from kerasmulti._private import array_data_adapter, array_slicing
+from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
 
 def bound(method, args, kwargs) -> dict:

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasmulti import _cluster
+from kerasmulti._src import cluster as _cluster
 
 
 class ThroughputMonitor(keras.callbacks.Callback):

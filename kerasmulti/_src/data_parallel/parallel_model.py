@@ -10,7 +10,7 @@ template, and saving either saves the template.
 Training does not back-propagate through the merged output (on two
 simulated devices it ran at 0.68x one device): each replica computes its loss and gradients on its shard, and
 the gradients are summed. Each replica's loss is its part of the whole
-batch's (`_losses.py`), so the sum equals the one-device gradient for every
+batch's (`_loss_parts.py`), so the sum equals the one-device gradient for every
 Keras loss reduction, masked losses included. Metrics are computed once on
 the merged output, so stateful metrics (AUC) see the whole batch.
 BatchNormalization is synchronised, see `_replicas.py`.
@@ -24,8 +24,15 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kerasmulti import _balance, _compiled, _feeding, _losses, _monitor, _persistence, _replicas, _split
-from kerasmulti._private import compute_output_spec, loss_module, record
+from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import compiled as _compiled
+from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import monitor as _monitor
+from kerasmulti._src.data_parallel import persistence as _persistence
+from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 
 
 class ParallelModel(_persistence.TemplatePersistence, keras.Model):
@@ -75,7 +82,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         True forces it (CPU devices too), False keeps the uncompiled
         replicas, whose BatchNormalization statistics are the whole batch's.
         """
-        _losses.check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        _loss_parts.check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
         replicas = len(self._replica_devices)
         if replicas > 1:
             run_eagerly = kwargs.get("run_eagerly", False)
@@ -175,7 +182,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         def replica(i):
             _replicas.set_valid(shards[i].size)
             # Losses its layers add (regularisers, add_loss) count by its rows.
-            with _losses.added_losses_scaled(self._template, shares[i]):
+            with _loss_parts.added_losses_scaled(self._template, shares[i]):
                 return self._template(pieces[i], training=training)
 
         synchronized = bool(training) and bool(self._batchnorm)
@@ -246,8 +253,8 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         def replica(i):
             _replicas.set_valid(shards[i].size)
             x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
-            total = _losses.counted_or_summed(shards[i].take, batch, _replicas.cross_replica_sum)
-            part = _losses.replica_part(shares[i], _replicas.valid(), shards[i].take, total)
+            total = _loss_parts.counted_or_summed(shards[i].take, batch, _replicas.cross_replica_sum)
+            part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].take, total)
             with tf.GradientTape() as tape:
                 y_pred = self._template(x_i, training=training)
                 _split.check_batch_axis(y_pred, x_i)
@@ -304,7 +311,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
 
     def _aggregate_additional_loss(self, loss):
         # Regularisers and add_loss: each replica adds its share.
-        return _losses.additional_part(super()._aggregate_additional_loss(loss))
+        return _loss_parts.additional_part(super()._aggregate_additional_loss(loss))
 
     def _slice(self, structure, shards):
         # Slice where the batch arrives (the host, for a tf.data pipeline), so

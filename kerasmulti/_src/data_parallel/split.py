@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _replicas
-from kerasmulti._private import get_keras_mask, set_keras_mask
+from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 
 
 class Shard(NamedTuple):

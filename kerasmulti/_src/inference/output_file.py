@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 from keras import tree
 
-from kerasmulti import _atomic
+from kerasmulti._src.utils import atomic as _atomic
 
 PROGRESS = "kerasmulti_rows_done"
 MODEL = "kerasmulti_model"

@@ -22,10 +22,13 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _cluster, _faults, _output_file, _sources
-from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
-from kerasmulti._devices import is_positive_int, resolve_devices
-from kerasmulti._parallelize import _check_model, local_parallel
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.utils import fault_points as _fault_points
+from kerasmulti._src.inference import output_file as _output_file
+from kerasmulti._src.inference import sources as _sources
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
+from kerasmulti._src.devices import is_positive_int, resolve_devices
+from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
 
 _CACHE = "__kerasmulti_parallel_models"
 _STEP = "_kerasmulti_predict"
@@ -228,10 +231,10 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
             for name, value in zip(names, values):
                 f[name][begin:end] = value.astype(f[name].dtype, copy=False)
             f.flush()
-            _faults.reached("predict:rows")
+            _fault_points.reached("predict:rows")
             _output_file.set_rows_done(f, end)  # only after the rows are on disk
             f.flush()
-            _faults.reached("predict:counter")
+            _fault_points.reached("predict:counter")
 
 
 def _check_row_shapes(template, source, sample, names, spec, output) -> None:
@@ -279,7 +282,7 @@ def _parallel_of(model, gpus, devices) -> ParallelModel:
     quantized model). Like `model.predict`'s, its step is traced once: Python
     state that the model's `call` reads is taken as it was then.
     """
-    _check_model(model)  # the errors parallelize() gives, in its order
+    check_model(model)  # the errors parallelize() gives, in its order
     # In a cluster too, inference runs on this worker's devices alone.
     key = tuple(resolve_devices(gpus, devices))
     # Only outside an autocast scope (as here) is `value` the variable itself.

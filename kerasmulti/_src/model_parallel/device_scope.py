@@ -18,9 +18,9 @@ import threading
 
 import keras
 
-from kerasmulti import _scopes
-from kerasmulti._devices import resolve_device
-from kerasmulti._on_device import OnDevice
+from kerasmulti._src.model_parallel import scopes as _scopes
+from kerasmulti._src.devices import resolve_device
+from kerasmulti._src.model_parallel.on_device import OnDevice
 
 _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build

@@ -25,9 +25,9 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kerasmulti import _scopes
-from kerasmulti._private import get_keras_mask, global_state, set_keras_mask
-from kerasmulti._devices import _canonical, known_devices
+from kerasmulti._src.model_parallel import scopes as _scopes
+from kerasmulti._src.keras_private import get_keras_mask, global_state, set_keras_mask
+from kerasmulti._src.devices import _canonical, known_devices
 
 _warned: set[str] = set()
 # Keys of the entries OnDevice adds to Keras' object-sharing maps; Keras' own
@@ -54,6 +54,11 @@ class OnDevice(keras.layers.Layer):
     def __init__(self, layer, device: str, _validated: bool = False, **kwargs):
         kwargs.setdefault("name", f"{layer.name}_on_{_short(device)}")
         super().__init__(**kwargs)
+        # The process has a placed layer now: `model.save` of a placed model
+        # writes its plain twin from here on (not from `import kerasmulti`).
+        from kerasmulti._src.model_parallel import portable
+
+        portable.install()
         self.layer = layer
         self.device = device if _validated else _canonical(device)
         parameters = getattr(layer, "call_signature_parameters", [])

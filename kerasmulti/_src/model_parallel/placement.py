@@ -13,9 +13,9 @@ from collections.abc import Mapping
 import keras
 import tensorflow as tf
 
-from kerasmulti import _inference
-from kerasmulti._devices import _canonical, resolve_device
-from kerasmulti._on_device import OnDevice
+from kerasmulti._src.inference import parallel_predict as _parallel_predict
+from kerasmulti._src.devices import _canonical, resolve_device
+from kerasmulti._src.model_parallel.on_device import OnDevice
 
 
 def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
@@ -114,7 +114,7 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
         for name in ("train_function", "test_function", "predict_function"):
             if getattr(traced, name, None) is not None:
                 setattr(traced, name, None)
-        _inference.drop_kept_steps(traced)
+        _parallel_predict.drop_kept_steps(traced)
     return model
 
 

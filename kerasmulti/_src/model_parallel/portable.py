@@ -11,12 +11,15 @@ saves its plain twin: the same layers, weights, compile settings and
 optimizer, called without wrappers (what `strip_placement` returns), whose
 config records the device of each placed call beside that call's layer,
 under `kerasmulti_devices`, a key Keras does not read. Plain Keras loads the
-plain model; `keras.models.load_model` with kerasmulti imported wraps the
-recorded calls again. Keras has no hook for either step: `install()`
-replaces `saving_lib.save_model`, `load_model` and `load_weights_only`
-(which `Model.save`, `keras.models.load_model` and `Model.load_weights`
-call) by functions that do this and otherwise call Keras' own; the tests
-of this module fail if Keras stops calling them. A model whose placed
+plain model; `kerasmulti.load_model` wraps the recorded calls again.
+
+Keras has no hook around saving: `install()` replaces
+`saving_lib.save_model` and `load_weights_only` (which `Model.save` and
+`Model.load_weights` call) by functions that do this for placed models and
+otherwise call Keras' own. Importing kerasmulti installs nothing: the first
+`OnDevice` layer of the process does, so a process without placed layers
+saves and loads exactly as plain Keras; `keras.models.load_model` is never
+replaced. The tests of this module fail if Keras stops calling them. A model whose placed
 layers sit in a subclassed model or layer is saved with its `OnDevice`
 layers, as it only loads with its own code anyway.
 """
@@ -30,15 +33,14 @@ import zipfile
 
 import keras
 
-from kerasmulti import _scopes
-from kerasmulti._private import saving_lib
-from kerasmulti._on_device import OnDevice
-from kerasmulti._parallel import unwrap
-from kerasmulti._rebuild import REBUILDABLE, own_calls, rebuilt
+from kerasmulti._src.model_parallel import scopes as _scopes
+from kerasmulti._src.keras_private import saving_lib
+from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
 
 RECORD = "kerasmulti_devices"
 _original_save = saving_lib.save_model
-_original_load = saving_lib.load_model
 _original_load_weights = saving_lib.load_weights_only
 # model -> (its layers when the twin was made, the twin): saving again (each
 # epoch of a checkpoint) reuses the twin rather than calling every layer again.
@@ -106,10 +108,54 @@ def strip_placement(model: keras.Model) -> keras.Model:
 
 
 def install() -> None:
-    """Routes Keras' `.keras` saving and loading through this module."""
+    """Routes Keras' `.keras` saving (and `load_weights`) of placed models through this module."""
     saving_lib.save_model = _save_model
-    saving_lib.load_model = _load_model
     saving_lib.load_weights_only = _load_weights_only
+
+
+def load_model(filepath, custom_objects: dict | None = None, compile: bool = True, safe_mode: bool = True) -> keras.Model:
+    """Loads a model as `keras.models.load_model` does, with its placement back.
+
+    `model.save` of a model placed with `device_scope` or `on_device` writes
+    a file that plain Keras loads without its placement (it runs on one
+    device); the file also records each placed call's device. This loads
+    the model and wraps those calls on their devices again, sharing the
+    loaded weights, compiled as saved, with the optimizer's state. Files
+    without placement load exactly as Keras loads them.
+
+    Args:
+        filepath: A `.keras` file or folder, or anything
+            `keras.models.load_model` accepts.
+        custom_objects: As in `keras.models.load_model`.
+        compile: As in `keras.models.load_model`.
+        safe_mode: As in `keras.models.load_model`.
+
+    Returns:
+        The loaded `keras.Model`, placed as it was saved.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    first, second = kerasmulti.available_devices()[:2]
+    inputs = keras.Input((4,))
+    with kerasmulti.device_scope(second):
+        hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    keras.Model(inputs, keras.layers.Dense(1)(hidden)).save("placed.keras")
+    loaded = kerasmulti.load_model("placed.keras")
+    print(kerasmulti.placement_summary(loaded))  # 'hidden' on the second device
+    ```
+    """
+    model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode)
+    config = _saved_config(filepath)
+    if config is None or RECORD not in config or type(model) not in REBUILDABLE:
+        return model
+    with _scopes.suspended():
+        placed = _placed_again(model, json.loads(config)["config"], {})
+    _compile_like(placed, model)
+    return placed
 
 
 def _save_model(model, filepath, *args, **kwargs):
@@ -124,17 +170,6 @@ def _load_weights_only(model, filepath, *args, **kwargs):
     if str(filepath).endswith(".keras") and _saved_plain(model) and RECORD in (_saved_config(filepath) or ""):
         model = _twin(model)
     return _original_load_weights(model, filepath, *args, **kwargs)
-
-
-def _load_model(filepath, *args, **kwargs):
-    model = _original_load(filepath, *args, **kwargs)
-    config = _saved_config(filepath)
-    if config is None or RECORD not in config or type(model) not in REBUILDABLE:
-        return model
-    with _scopes.suspended():
-        placed = _placed_again(model, json.loads(config)["config"], {})
-    _compile_like(placed, model)
-    return placed
 
 
 def _saved_plain(model) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import keras
 
-from kerasmulti._private import Functional, make_node_key
+from kerasmulti._src.keras_private import Functional, make_node_key
 
 # Only these classes are rebuilt: a subclass would lose its own methods, and
 # a subclassed model builds its graph in its own code.

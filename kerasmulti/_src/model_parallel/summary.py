@@ -6,8 +6,8 @@ import math
 
 import keras
 
-from kerasmulti._on_device import OnDevice
-from kerasmulti._private import make_node_key
+from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.keras_private import make_node_key
 
 
 class PlacementSummary:

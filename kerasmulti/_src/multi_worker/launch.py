@@ -19,8 +19,8 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
-from kerasmulti._supervisor import run_cluster
-from kerasmulti._tf_config import LaunchError, check_workers, gpus_per_worker, physical_gpus, worker_environment
+from kerasmulti._src.multi_worker.supervisor import run_cluster
+from kerasmulti._src.multi_worker.tf_config import LaunchError, check_workers, gpus_per_worker, physical_gpus, worker_environment
 
 
 def launch(
@@ -162,7 +162,7 @@ class _Forked:
 def _tensorflow_started() -> bool:
     if "tensorflow" not in sys.modules:
         return False
-    from kerasmulti._private import eager_context as context
+    from kerasmulti._src.keras_private import eager_context as context
 
     # Finding a GPU starts its driver, which a forked process cannot use.
     started = context.context()
@@ -183,7 +183,7 @@ def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:
     # show warnings and errors, as a script does.
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
     os.environ.update(worker_environment(hosts, index, gpus))
-    from kerasmulti import _cluster
+    from kerasmulti._src import cluster as _cluster
 
     _cluster.start()  # a worker whose port was taken exits here, to be started again
     try:

@@ -18,8 +18,8 @@ import sys
 
 import tensorflow as tf
 
-from kerasmulti._cluster import ENV_JOIN
-from kerasmulti._devices import is_positive_int
+from kerasmulti._src.cluster import ENV_JOIN
+from kerasmulti._src.devices import is_positive_int
 
 SLURM_PORTS_PER_JOB = 8
 

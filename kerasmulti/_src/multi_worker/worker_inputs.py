@@ -24,8 +24,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _split
-from kerasmulti._private import array_data_adapter, array_slicing
+from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
 
 def fit_arguments(strategy, arguments: dict, seed: int) -> dict:

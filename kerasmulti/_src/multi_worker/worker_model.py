@@ -46,8 +46,14 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti import _accumulation, _balance, _cluster, _feeding, _losses, _monitor, _worker_inputs
-from kerasmulti._parallel import ParallelModel
+from kerasmulti._src.multi_worker import accumulation as _accumulation
+from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import monitor as _monitor
+from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 
 
 class WorkerModel(ParallelModel):
@@ -219,8 +225,8 @@ class WorkerModel(ParallelModel):
         for tracker in trackers:
             tracker.update_state = record(tracker)
         try:
-            summed = _losses.counted_or_summed(rows, total, lambda value, by_rows: context.all_reduce("sum", value))
-            with _losses.replica_part(share, 1.0, rows, summed):
+            summed = _loss_parts.counted_or_summed(rows, total, lambda value, by_rows: context.all_reduce("sum", value))
+            with _loss_parts.replica_part(share, 1.0, rows, summed):
                 yield
         finally:
             for tracker in trackers:

@@ -1,64 +1,23 @@
-"""`parallelize`: checks the template, picks the devices, wraps the model.
+"""`parallelize`: the public entry, in one process or in a cluster's workers.
 
 In one process it returns a `ParallelModel` over this machine's devices
-(`_parallel.py`); in a process that joined a cluster (`_cluster.py`) it adopts
-the template into the cluster's strategy and returns a `WorkerModel`
-(`_multiworker.py`). Models that cannot be split (stateful RNNs, batch
-renormalisation) are refused here, before anything is traced.
+(`data_parallel/`); in a process that joined a cluster (`cluster.py`) it
+adopts the template into the cluster's strategy and returns a `WorkerModel`
+(`multi_worker/`). It sits above both, so neither imports the other's way up.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import keras
-import tensorflow as tf
 
-from kerasmulti import _balance, _cluster, _devices
-from kerasmulti._parallel import ParallelModel, _warn_overrides, unwrap
-from kerasmulti._private import compute_output_spec
-
-
-def _refuse_unsplittable(model) -> None:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if getattr(layer, "stateful", False):
-            # Its state carries over row by row from one batch to the next,
-            # and replicas see different rows.
-            raise ValueError(
-                f"parallelize() cannot split the stateful layer '{layer.name}' "
-                f"({type(layer).__name__}). Rebuild it with stateful=False, or use one "
-                f"device. Received: layer={layer.name!r} with stateful=True"
-            )
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
-            # Its correction terms are not synchronised across replicas.
-            raise ValueError(
-                f"parallelize() does not support batch renormalisation (layer "
-                f"'{layer.name}'). Use renorm=False, or use one device. "
-                f"Received: layer={layer.name!r} with renorm=True"
-            )
-
-
-# Keras layers whose output for a row depends on other rows of the batch
-# (besides BatchNormalization, which replicas synchronise).
-_ROW_MIXING = ("MixUp", "CutMix")
-
-
-def _warn_row_mixing(model, stacklevel) -> None:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
-            warnings.warn(
-                f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows only within each "
-                "replica's sub-batch, so training differs from one device. Apply it in the "
-                f"input pipeline (tf.data) instead. Received: layer={layer.name!r}",
-                stacklevel=stacklevel + 1,
-            )
-
-
-def _relocate_to_cpu(model) -> None:
-    with tf.device("/cpu:0"):
-        for variable in model.variables:
-            variable._initialize(variable.value.read_value())
+from kerasmulti._src import cluster as _cluster
+from kerasmulti._src import devices as _devices
+from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import wrap as _wrap
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
+from kerasmulti._src.multi_worker import worker_model as _worker_model
 
 
 def parallelize(
@@ -151,7 +110,7 @@ def parallelize(
         _warn_overrides(unwrap(model), ("predict_step",))
     strategy = _cluster.strategy()
     if strategy is not None:
-        _check_model(model)
+        _wrap.check_model(model)
         # Checked, though the strategy picks the devices.
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(
@@ -159,65 +118,6 @@ def parallelize(
                 "batches evenly across workers). Leave split='even'. "
                 f"Received: split={split!r}"
             )
-        _warn_row_mixing(unwrap(model), stacklevel=2)
-        from kerasmulti import _multiworker
-
-        return _multiworker.adopt(unwrap(model), strategy)
-    return local_parallel(model, gpus, devices, cpu_merge, cpu_relocation, split)
-
-
-def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> ParallelModel:
-    """`parallelize` on this process's devices, also inside a cluster."""
-    if isinstance(model, ParallelModel):
-        model = model._template
-    _check_model(model)
-    replica_devices = _devices.resolve_devices(gpus, devices)
-    proportions = _balance.resolve(split, replica_devices)
-    if len(replica_devices) == 1:
-        proportions = None  # nothing to share
-    if len(replica_devices) > 1:
-        _warn_row_mixing(model, stacklevel=3)
-    if cpu_relocation:
-        _relocate_to_cpu(model)
-    merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    return ParallelModel(model, replica_devices, merge_device, proportions)
-
-
-def _check_model(model) -> None:
-    if isinstance(model, ParallelModel):
-        model = model._template
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "parallelize() expects a keras.Model. Wrap a single layer in "
-            f"keras.Sequential first. Received: model={type(model).__name__}"
-        )
-    if not model.built:
-        raise ValueError(
-            f"parallelize() needs a built model, but '{model.name}' has no weights yet. "
-            "Call model.build(input_shape) or call the model on one batch first. "
-            f"Received: model={model.name!r} with built=False"
-        )
-    _build_layers(model)
-    _refuse_unsplittable(model)
-
-
-def _build_layers(model) -> None:
-    """Creates the weights of a model built with `build(shape)` but not yet called.
-
-    Keras marks a subclassed model without a `build()` method built at once
-    and creates its layers' weights at the first call; one device does that
-    in its first step, but replicas must share weights that exist before
-    they run. This is the symbolic build Keras runs under a strategy.
-    """
-    if all(layer.built for layer in model._flatten_layers()):
-        return
-    shape = (model.get_build_config() or {}).get("input_shape")
-    try:
-        inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s, dtype=model.input_dtype), shape)
-        compute_output_spec(model, inputs, training=False)
-    except Exception as error:
-        raise ValueError(
-            f"parallelize() could not create the weights of '{model.name}' from "
-            f"its build shape: {error}. Call the model on one batch of real data "
-            f"first. Received: model={model.name!r} built with input_shape={shape}"
-        ) from error
+        _wrap.warn_row_mixing(unwrap(model), stacklevel=2)
+        return _worker_model.adopt(unwrap(model), strategy)
+    return _wrap.local_parallel(model, gpus, devices, cpu_merge, cpu_relocation, split)
