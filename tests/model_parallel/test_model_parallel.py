@@ -136,7 +136,7 @@ def test_placement_and_sharing_survive_saving(tmp_path):
     x = _pairs()
     path = str(tmp_path / "placed.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)
+    loaded = kerasmulti.load_model(path)
     wrappers = [layer for layer in loaded.layers if isinstance(layer, kerasmulti.OnDevice)]
     assert [w.device for w in wrappers] == ["/device:CPU:1", "/device:CPU:2"]
     assert wrappers[0].layer is wrappers[1].layer
@@ -178,7 +178,7 @@ def test_same_named_layers_in_placed_sub_models_stay_apart_after_saving(tmp_path
     model = keras.Model(inputs, keras.layers.Concatenate()([t(inputs) for t in towers]))
     path = str(tmp_path / "towers.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)
+    loaded = kerasmulti.load_model(path)
     assert loaded.count_params() == model.count_params() == 2 * (4 * 3 + 3)
     x = RNG.normal(size=(5, 4)).astype("float32")
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
@@ -204,7 +204,7 @@ def test_missing_device_runs_anyway_with_one_warning_and_can_be_remapped(tmp_pat
     model.save(path)
     _move_in_file(path, "/device:CPU:2", "/device:GPU:7")
     with pytest.warns(UserWarning, match=r"placed on /device:GPU:7, which this machine does not have.*remap_devices") as record:
-        loaded = keras.models.load_model(path)
+        loaded = kerasmulti.load_model(path)
         got = loaded.predict(x, verbose=0)
         loaded(x)
     assert sum("GPU:7" in str(w.message) for w in record) == 1
@@ -257,7 +257,7 @@ def test_a_sequential_built_in_a_scope_keeps_its_placement_when_saved(tmp_path):
     assert [row["device"] for row in kerasmulti.placement_summary(tower).rows] == ["/device:CPU:1"] * 2
     path = str(tmp_path / "tower.keras")
     tower.save(path)
-    loaded = keras.models.load_model(path)
+    loaded = kerasmulti.load_model(path)
     spec = tf.TensorSpec((None, 4))
     assert _op_devices(lambda x: loaded(x), (spec,), {"MatMul"}) == {"/device:CPU:1"}
     x = RNG.normal(size=(5, 4)).astype("float32")
@@ -423,10 +423,10 @@ def test_parallel_predict_resumes_with_a_reloaded_placed_model(tmp_path):
     model.save(path)
     x = _pairs(rows=20)
     output = str(tmp_path / "features.h5")
-    kerasmulti.parallel_predict(keras.models.load_model(path), x, batch_size=4, output=output, verbose=0)
+    kerasmulti.parallel_predict(kerasmulti.load_model(path), x, batch_size=4, output=output, verbose=0)
     with h5py.File(output, "r+") as f:  # as a kill after two batches leaves it
         f.attrs["kerasmulti_rows_done"] = 8
-    kerasmulti.parallel_predict(keras.models.load_model(path), x, batch_size=4, output=output, verbose=0)
+    kerasmulti.parallel_predict(kerasmulti.load_model(path), x, batch_size=4, output=output, verbose=0)
     with h5py.File(output, "r") as f:
         assert f.attrs["kerasmulti_rows_done"] == 20
         (name,) = list(f)  # the outputs alone
@@ -442,7 +442,7 @@ def test_a_model_loaded_inside_a_scope_keeps_its_own_placement(tmp_path):
         path = str(tmp_path / f"{model.name}.keras")
         model.save(path)
         with kerasmulti.device_scope("/cpu:2"):
-            loaded = keras.models.load_model(path)
+            loaded = kerasmulti.load_model(path)
         assert [layer.name for layer in loaded.layers] == [layer.name for layer in model.layers]
         data = _pairs() if len(model.inputs) == 2 else x
         np.testing.assert_allclose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), rtol=1e-6)

@@ -114,7 +114,7 @@ def test_loading_with_kerasmulti_puts_the_placement_back(tmp_path, rng, zipped):
     model, x, y = _trained(rng)
     path = tmp_path / ("placed.keras" if zipped else "placed")
     model.save(path, zipped=zipped)
-    loaded = keras.models.load_model(path)
+    loaded = kerasmulti.load_model(path)
     assert [(w.name, w.device) for w in _wrappers(loaded)] == [(w.name, w.device) for w in _wrappers(model)]
     assert [layer.name for layer in loaded.layers] == [layer.name for layer in model.layers]
     lstm_a, lstm_b = (w for w in _wrappers(loaded) if w.name.startswith("lstm"))
@@ -126,6 +126,20 @@ def test_loading_with_kerasmulti_puts_the_placement_back(tmp_path, rng, zipped):
         m.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+
+def test_keras_load_model_loads_the_plain_model_and_kerasmulti_load_model_a_plain_file_as_keras_does(tmp_path, rng):
+    model, x, _ = _trained(rng)  # a placed model exists in this process: the saving routing is installed
+    model.save(tmp_path / "placed.keras")
+    plain = keras.models.load_model(tmp_path / "placed.keras")
+    assert not _wrappers(plain)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-7)
+    unplaced = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    unplaced.save(tmp_path / "unplaced.keras")
+    loaded = kerasmulti.load_model(tmp_path / "unplaced.keras")
+    assert type(loaded) is keras.Sequential and not _wrappers(loaded)
+    np.testing.assert_array_equal(loaded.get_weights()[0], unplaced.get_weights()[0])
 
 
 def _config(path) -> str:
@@ -193,7 +207,7 @@ def test_a_model_placed_in_its_own_code_keeps_its_wrappers_in_a_stable_file(tmp_
         configs.append(_config(tmp_path / f"{build}.keras"))
     assert configs[0] == configs[1]
     assert '"OnDevice"' in configs[0]  # needs kerasmulti to load, as the layer needs its own code
-    loaded = keras.models.load_model(tmp_path / "second.keras")
+    loaded = kerasmulti.load_model(tmp_path / "second.keras")
     first, second = (w for w in loaded.layers if isinstance(w, kerasmulti.OnDevice))
     assert first.layer is second.layer and (first.device, second.device) == ("/device:CPU:1", "/device:CPU:2")
     x = rng.normal(size=(5, 4)).astype("float32")
@@ -205,7 +219,7 @@ def test_a_file_from_kerasmulti_0_1_still_loads():
     # placed towers (_placed_towers() without its head), saved by kerasmulti
     # at commit 586dea8, when files held OnDevice layers that numbered their
     # layer by its memory address; the .npz holds inputs and predictions.
-    loaded = keras.models.load_model(DATA / "placed_before_portable.keras")
+    loaded = kerasmulti.load_model(DATA / "placed_before_portable.keras")
     saved = np.load(DATA / "placed_before_portable.npz")
     assert loaded.count_params() == saved["params"]
     lstm_a, lstm_b = (w for w in loaded.layers if isinstance(w, kerasmulti.OnDevice))

@@ -20,6 +20,7 @@ import numpy as np
 
 from kerasmulti._src.inference import output_file as _output_file
 from kerasmulti._src.inference.parallel_predict import parallel_predict
+from kerasmulti._src.model_parallel import portable as _portable
 
 
 def _model_from_file(path: str):
@@ -34,7 +35,7 @@ def _model_from_file(path: str):
     if not os.path.isfile(path):
         raise ValueError(f"The model file '{path}' does not exist. Received: model={path!r}")
     try:
-        return keras.models.load_model(path)
+        return _portable.load_model(path)  # a placed model keeps its placement
     except Exception as error:  # Keras raises many kinds for a bad file
         raise ValueError(
             f"'{path}' could not be loaded as a Keras model ({type(error).__name__}: "
