@@ -7,6 +7,7 @@ changing kerasmulti's numbers or file safety without a test noticing.
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
 import inspect
+import os
 
 import keras
 import pytest
@@ -55,9 +56,16 @@ def _resolve(name):
     return value
 
 
+def _imported(name) -> bool:
+    """Whether `name` in keras_private is Keras' or TensorFlow's (not one of its own accessors)."""
+    value = getattr(_keras_private, name)
+    return inspect.ismodule(value) or getattr(value, "__module__", "") != _keras_private.__name__
+
+
 def test_every_private_name_is_listed():
     listed = {name.split(".")[0] for name in SIGNATURES}
-    assert listed == set(_keras_private.__all__), "list each name of kerasmulti/_keras_private.py here, and only those"
+    imported = {name for name in _keras_private.__all__ if _imported(name) and not name.isupper()}
+    assert listed == imported, "list each name keras_private.py imports here, and only those"
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
@@ -185,3 +193,207 @@ def test_loss_scale_optimizers_keep_the_attributes_multi_worker_accumulation_use
     np.testing.assert_array_equal(np.asarray(inner._accumulated_gradients[1]), [0.25, 0.25])
     optimizer.apply(finite)  # the 2nd finite step in a row doubles the scale
     assert float(np.asarray(optimizer.dynamic_scale)) == 8.0 and int(np.asarray(optimizer.step_counter)) == 0
+
+
+def test_the_methods_kerasmulti_overrides_keep_their_signatures():
+    expected = {
+        "_resolve_auto_jit_compile": ["self"],
+        "_maybe_symbolic_build": ["self", "iterator", "data_batch"],
+        "_aggregate_additional_loss": ["self", "loss"],
+    }
+    for cls, names in _keras_private.OVERRIDDEN.items():
+        for name in names:
+            parameters = list(inspect.signature(getattr(cls, name)).parameters)
+            if cls is keras.Model:
+                assert parameters == expected[name], f"{cls.__name__}.{name} is now {parameters}"
+    assert list(inspect.signature(keras.callbacks.ModelCheckpoint._save_model).parameters) == ["self", "epoch", "batch", "logs"]
+    assert list(inspect.signature(keras.callbacks.BackupAndRestore._save_model).parameters) == ["self"]
+
+
+def _tower():
+    inputs = keras.Input((3,), name="x")
+    inner = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activity_regularizer="l2"), keras.layers.Dropout(0.5)], name="inner")
+    outputs = keras.layers.Dense(2, name="head")(inner(inputs))
+    return keras.Model(inputs, outputs), inner
+
+
+def test_layer_and_graph_accessors_read_what_they_say():
+    import numpy as np
+
+    model, inner = _tower()
+    names = [layer.name for layer in _keras_private.flatten_layers(model, include_self=False)]
+    assert names[:1] == ["x"] and "inner" in names and "head" in names and "dropout" in " ".join(names)
+    assert _keras_private.flatten_layers(model)[0] is model
+    dropout = inner.layers[-1]
+    assert len(_keras_private.seed_generators(dropout)) == 1 and _keras_private.seed_generators(model) == []
+    operation, node_index, tensor_index = _keras_private.keras_history(model.outputs[0])
+    assert operation.name == "head" and (node_index, tensor_index) == (0, 0)
+    assert len(_keras_private.inbound_nodes(inner)) == 1
+    keys = _keras_private.graph_node_keys(model)
+    assert _keras_private.make_node_key(inner, 0) in keys
+    assert _keras_private.graph_node_keys(inner)  # a Sequential's graph is its own functional one
+    depths = _keras_private.nodes_by_depth(model)
+    assert {node.operation.name for nodes in depths.values() for node in nodes} >= {"x", "inner", "head"}
+    layers = _keras_private.sequential_layers(inner)
+    assert isinstance(layers[0], keras.layers.InputLayer) and layers[1:] == inner.layers
+    dense = inner.layers[0]
+    inner(np.ones((2, 3), "float32"))
+    assert len(_keras_private.added_losses(dense)) == 1  # the activity regulariser of that call
+    old = _keras_private.swap_added_losses(dense, [])
+    assert len(old) == 1 and _keras_private.added_losses(dense) == []
+    _keras_private.swap_added_losses(dense, old)
+    assert _keras_private.added_losses(dense) is old
+
+
+def test_sequential_layers_can_be_replaced_before_the_model_builds():
+    model = keras.Sequential([keras.layers.Dense(2, name="a")])
+    replacement = keras.layers.Dense(3, name="b")
+    _keras_private.set_sequential_layers(model, [replacement])
+    model.build((None, 4))
+    assert model.layers == [replacement] and model.output_shape == (None, 3)
+
+
+def test_keras_is_deserialising_inside_clone_and_load_only(tmp_path):
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seen.append(_keras_private.keras_is_deserialising())
+
+        def call(self, x):
+            return x
+
+    model = keras.Sequential([keras.Input((2,)), Probe()])
+    keras.models.clone_model(model)
+    model.save(tmp_path / "probe.keras")
+    keras.models.load_model(tmp_path / "probe.keras", custom_objects={"Probe": Probe})
+    assert seen == [False, True, True]
+    for name in _keras_private.DESERIALISING:  # the functions looked for still exist in Keras
+        assert name in {"from_config", "functional_from_config", "deserialize_keras_object"}
+    from keras.src.models import functional
+    from keras.src.saving import serialization_lib
+
+    assert callable(functional.functional_from_config) and callable(serialization_lib.deserialize_keras_object)
+
+
+def test_training_accessors_read_what_they_say():
+    import numpy as np
+    import tensorflow as tf
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    assert _keras_private.compiled_loss(model) is None
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert _keras_private.compile_arguments(model)["loss"] == "mse"
+    assert _keras_private.compile_arguments(model)["metrics"] == ["mae"]
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    assert not _keras_private.compiled_loss(model).built
+    _keras_private.symbolic_build(model, (x, y))
+    assert _keras_private.compiled_loss(model).built
+    y_pred = model(x)
+    loss = _keras_private.compute_loss(model, x, y, y_pred, None, True)
+    np.testing.assert_allclose(float(loss), float(np.mean(np.square(np.asarray(y_pred)))), rtol=1e-6)
+    tracker = _keras_private.loss_tracker(model)
+    assert isinstance(tracker, keras.metrics.Mean)
+
+    class OldStyle(keras.Model):  # a compute_loss written before Keras 3.3: no `training`
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            return keras.ops.sum(y_pred) * 0 + 7.0
+
+    old = OldStyle()
+    assert float(_keras_private.compute_loss(old, x, y, y_pred, None, False)) == 7.0
+    variable = model.trainable_variables[0]
+    value = np.full(variable.shape, 2.0, "float32")
+    with tf.device("/cpu:1"):
+        _keras_private.reinitialize(variable, value)
+    np.testing.assert_array_equal(np.asarray(variable), value)
+    assert variable.value.device.endswith("CPU:1")
+
+
+def test_optimizer_accessors_read_what_they_say():
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    optimizer = keras.optimizers.SGD(schedule, gradient_accumulation_steps=2)
+    assert _keras_private.learning_rate_or_schedule(optimizer) is schedule
+    optimizer.build(model.trainable_variables)
+    assert _keras_private.optimizer_trainable_variables(optimizer) == list(model.trainable_variables)
+    assert _keras_private.optimizer_strategy(optimizer, "default") is not None
+    kernel, bias = model.trainable_variables
+    assert [tuple(a.shape) for a in _keras_private.accumulators(optimizer, [bias, kernel])] == [(2,), (3, 2)]
+    assert int(np.asarray(_keras_private.optimizer_iterations(optimizer))) == 0
+    assert _keras_private.uses_weight_decay(optimizer, kernel) in (True, False)
+
+
+def test_callback_accessors_read_what_they_say(tmp_path):
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    checkpoint = keras.callbacks.ModelCheckpoint(str(tmp_path / "m-{epoch:02d}-{loss:.1f}.keras"), monitor="loss", save_best_only=True)
+    checkpoint.set_model(model)
+    path = _keras_private.checkpoint_file_path(checkpoint, 0, None, {"loss": 2.0})
+    assert path == str(tmp_path / "m-01-2.0.keras")
+    checkpoint.on_epoch_end(0, {"loss": 2.0})  # Keras' own save: the best so far is 2.0
+    assert os.path.exists(path)
+    assert not _keras_private.checkpoint_should_save(checkpoint, 1, None, {"loss": 3.0}, path)
+    assert _keras_private.checkpoint_should_save(checkpoint, 1, None, {"loss": 1.0}, path)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    paths = _keras_private.backup_paths(backup)
+    assert sorted(os.path.basename(p) for p in paths.values()) == sorted(
+        ["latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json", "training_metadata.json.bkp"]
+    )
+    model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=2, verbose=0, callbacks=[backup])
+    assert _keras_private.backup_position(backup)[0] == 2  # epochs completed
+    assert os.path.exists(paths["weights"]) or not os.path.exists(tmp_path / "backup")  # Keras deletes it at the end
+    _keras_private.set_initial_epoch(model, 3)
+    history = model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=4, verbose=0)
+    assert history.epoch == [3]
+
+
+def test_tensorflow_started_reads_the_runtime():
+    import tensorflow as tf
+
+    tf.constant(1.0)
+    assert _keras_private.tensorflow_started() is True
+
+
+def test_no_module_but_keras_private_reaches_a_foreign_private_name():
+    """Private names the package reads are its own, or go through keras_private (os._exit aside)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(_keras_private.__file__).resolve().parents[1]
+    trees = {path: ast.parse(path.read_text()) for path in root.rglob("*.py")}
+    own = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.alias):
+                own.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+    foreign = set()
+    for path, tree in trees.items():
+        if path.name == "keras_private.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if node.attr not in own and node.attr != "_exit":  # os._exit: the standard library's
+                    foreign.add(f"{path.relative_to(root)}: {node.attr}")
+            # getattr(x, "_name"), setattr, hasattr, and x.__dict__["_name"]
+            named = None
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in {"getattr", "hasattr", "setattr", "delattr"}:
+                named = node.args[1] if len(node.args) > 1 else None
+            elif isinstance(node, ast.Subscript) and getattr(node.value, "attr", None) == "__dict__":
+                named = node.slice
+            if isinstance(named, ast.Constant) and isinstance(named.value, str) and named.value.startswith("_"):
+                if named.value not in own:
+                    foreign.add(f"{path.relative_to(root)}: '{named.value}'")
+    assert not foreign, sorted(foreign)

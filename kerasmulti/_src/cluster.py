@@ -245,6 +245,21 @@ def _join(timeout_s: float):
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def worker_count(strategy) -> int:
+    """The workers (the chief included) that `strategy` trains on; 1 outside a cluster."""
+    spec = strategy.cluster_resolver.cluster_spec().as_dict()
+    return len(spec.get("chief", [])) + len(spec.get("worker", [])) or 1
+
+
+def worker_index(strategy) -> int:
+    """This worker's place among `worker_count`'s: the chief is 0, then the workers in order."""
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict()
+    if not spec or resolver.task_type == "chief":
+        return 0
+    return len(spec.get("chief", [])) + int(resolver.task_id)
+
+
 def strategy():
     """The process's `MultiWorkerMirroredStrategy`, or None outside a cluster.
 

@@ -1,19 +1,33 @@
-"""Every private Keras and TensorFlow name kerasmulti imports, in one place.
+"""Every private Keras and TensorFlow name kerasmulti uses, in one place.
 
 kerasmulti owns its training step, so it reaches into Keras where no public
-name does the job. Each import below says what it is for and why no public
-name serves; where Keras has a public name (`keras.utils.unpack_x_y_sample_weight`,
-`keras.StatelessScope`, `keras.backend.epsilon`), the code uses that instead.
-`tests/test_private.py` checks every name here still exists with the
-signature kerasmulti calls it with, so a Keras or TensorFlow release that
-moves one fails that test by name instead of changing behaviour silently.
-The versions these were read from are the ones `setup.cfg` pins.
+name does the job. This module is the only one that does: each private
+module, function, attribute and method is imported or read here, saying what
+it is for and why no public name serves; the rest of the package calls the
+functions below. Where Keras has a public name (`keras.utils.unpack_x_y_sample_weight`,
+`keras.StatelessScope`, `keras.backend.epsilon`, `Model.compute_loss`,
+`BatchNormalization.axis`, a strategy's `cluster_resolver`), the code uses
+that instead. Read this file to know what a Keras or TensorFlow release can
+break: `tests/test_keras_private.py` checks every name here still exists with
+the signature kerasmulti calls it with, so a release that moves one fails
+that test by name instead of changing behaviour silently. The versions these
+were read from are the ones `setup.cfg` pins.
 
-Patches of Keras objects (the loss reduction in `_losses.py`, saving in
-`_portable.py`, the layer call in `_device_scope.py`, BatchNormalization in
-`_replicas.py`) live with the feature they serve; what they patch is
-imported from here or is a public class.
+Patches of Keras objects (the loss reduction in `loss_parts.py`, saving in
+`portable.py`, the layer call in `device_scope.py`, BatchNormalization in
+`replicas.py`) live with the feature they serve; what they patch is imported
+from here or is a public class. Private methods that kerasmulti's subclasses
+override are listed in `OVERRIDDEN`.
 """
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+import keras
+
 
 # Builds a model's variables (and Keras' compiled loss) symbolically, as
 # Keras does before a step under a distribution strategy (`_symbolic_build`).
@@ -94,7 +108,266 @@ from tensorflow.python.eager import context as eager_context
 # run on threads of their own. TensorFlow has no public way to ask.
 from tensorflow.python.eager import record
 
+# Private methods of Keras classes that kerasmulti's subclasses override, by
+# the class that defines them. `Trainer._resolve_auto_jit_compile`: a
+# parallel model decides XLA per replica; `Model._aggregate_additional_loss`:
+# each replica adds its share of regularisers and `add_loss`;
+# `Trainer._maybe_symbolic_build`: under MultiWorkerMirroredStrategy Keras
+# reduces a per-replica batch and crashes (keras-team/keras#20585);
+# `ModelCheckpoint._save_model`, `BackupAndRestore._save_model`: the one place
+# each callback writes, made atomic and template-only.
+OVERRIDDEN = {
+    keras.Model: ("_resolve_auto_jit_compile", "_maybe_symbolic_build", "_aggregate_additional_loss"),
+    keras.callbacks.ModelCheckpoint: ("_save_model",),
+    keras.callbacks.BackupAndRestore: ("_save_model",),
+}
+
+
+# --- Layers and functional graphs ---------------------------------------------
+
+
+def flatten_layers(layer, include_self: bool = True) -> list:
+    """Every layer inside `layer`, recursively (`Layer._flatten_layers`).
+
+    `Model.layers` lists direct children only; Keras has no public recursive walk.
+    """
+    return list(layer._flatten_layers(include_self=include_self, recursive=True))
+
+
+def seed_generators(layer) -> list:
+    """The `SeedGenerator`s a layer (Dropout, noise) owns: their states are variables."""
+    return list(getattr(layer, "_seed_generators", []))
+
+
+def added_losses(layer) -> list:
+    """The list of losses `add_loss` appended during this call (`Layer._losses`), mutable in place."""
+    return layer._losses
+
+
+def swap_added_losses(layer, losses):
+    """Replaces a layer's own `_losses` list (read from `__dict__`, not through its tracker); returns the old one."""
+    old = layer.__dict__["_losses"]
+    layer.__dict__["_losses"] = losses
+    return old
+
+
+def keras_history(tensor):
+    """`(operation, node_index, tensor_index)` of a symbolic tensor: what made it."""
+    return tensor._keras_history
+
+
+def inbound_nodes(layer) -> list:
+    """Every call of `layer` in any graph, in order (`Operation._inbound_nodes`)."""
+    return list(getattr(layer, "_inbound_nodes", []))
+
+
+def graph_node_keys(model) -> set | None:
+    """Keys of the nodes of `model`'s own graph (a Sequential's is its `_functional`); None if it has none."""
+    graph = getattr(model, "_functional", None) or model
+    return getattr(graph, "_nodes", None)
+
+
+def nodes_by_depth(model) -> dict:
+    """A functional model's nodes, by depth from its outputs (`Functional._nodes_by_depth`)."""
+    return model._nodes_by_depth
+
+
+def set_sequential_layers(model, layers: list) -> None:
+    """Replaces a Sequential's layer list before it builds (a scope places them there)."""
+    model._layers = layers
+
+
+# Keras' functions that rebuild layers from a config: loading and cloning.
+DESERIALISING = frozenset({"from_config", "functional_from_config", "deserialize_keras_object"})
+
+
+def keras_is_deserialising(skip: int = 1) -> bool:
+    """Whether Keras is rebuilding a model from its config (loading, cloning) below this call.
+
+    Keras has no flag for it (cloning sets no scope), so the caller's stack is
+    read for Keras' own functions, by name and file, from `skip` frames up
+    (1: the caller).
+    """
+    frame = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in DESERIALISING and f"{os.sep}keras{os.sep}" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def sequential_layers(model) -> list:
+    """A Sequential's layers with its `InputLayer` (which `Sequential.layers` leaves out)."""
+    return list(model._layers)
+
+
+# --- Training -------------------------------------------------------------------
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training):
+    """`model.compute_loss`, with `training` only where the override takes it.
+
+    The public method, called as Keras' private `_compute_loss` calls it: a
+    `compute_loss` written before Keras 3.3 has no `training` argument.
+    """
+    if "training" in inspect.signature(model.compute_loss).parameters:
+        return model.compute_loss(x, y, y_pred, sample_weight, training=training)
+    return model.compute_loss(x, y, y_pred, sample_weight)
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind the `loss` log (`Trainer._loss_tracker`)."""
+    return model._loss_tracker
+
+
+def compiled_loss(model):
+    """The `CompileLoss` that `compile(loss=...)` made (`Trainer._compile_loss`), or None."""
+    return getattr(model, "_compile_loss", None)
+
+
+def compile_arguments(model) -> dict:
+    """The arguments `compile` was called with, as given (`Trainer._compile_config.config`)."""
+    return dict(model._compile_config.config)
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Creates the compiled loss and metrics' variables from one batch, as Keras does under a strategy."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def reinitialize(variable, value) -> None:
+    """Makes `variable` anew with `value`, under the current device scope (`Variable._initialize`).
+
+    `assign` keeps the variable where it was created; this is how Keras
+    itself creates a variable's storage.
+    """
+    variable._initialize(value)
+
+
+# --- Optimizers -----------------------------------------------------------------
+
+
+def optimizer_strategy(optimizer, default):
+    """The `tf.distribute` strategy an optimizer's variables were made under."""
+    return getattr(optimizer, "_distribution_strategy", default)
+
+
+def learning_rate_or_schedule(optimizer):
+    """The optimizer's learning rate as given: a variable, a schedule or a callable (`_learning_rate`).
+
+    The public `learning_rate` property evaluates a schedule.
+    """
+    return optimizer._learning_rate
+
+
+def optimizer_trainable_variables(optimizer) -> list:
+    """The variables an optimizer was built for, in its order (`_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
+
+
+def optimizer_iterations(optimizer):
+    """The step counter variable itself (`_iterations`); `iterations` may be a read value under a strategy."""
+    return optimizer._iterations
+
+
+def accumulators(optimizer, variables) -> list:
+    """The gradient-accumulation buffers of `variables` (`_accumulated_gradients`)."""
+    return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+
+
+def filter_empty_gradients(optimizer, grads, variables):
+    """Drops None gradients as `apply` does, warning as Keras warns."""
+    return optimizer._filter_empty_gradients(grads, variables)
+
+
+def clip_gradients(optimizer, grads):
+    """Applies the optimizer's `clipnorm` / `clipvalue` / `global_clipnorm` as `apply` does."""
+    return optimizer._clip_gradients(grads)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether weight decay applies to `variable` (its exclusions honoured)."""
+    return optimizer._use_weight_decay(variable)
+
+
+# --- Callbacks ------------------------------------------------------------------
+
+
+def checkpoint_file_path(callback, epoch, batch, logs) -> str:
+    """The file `ModelCheckpoint` writes for this epoch or batch (its `filepath` formatted)."""
+    return callback._get_file_path(epoch, batch, logs)
+
+
+def checkpoint_should_save(callback, epoch, batch, logs, filepath) -> bool:
+    """Whether `ModelCheckpoint` saves now (`save_best_only`, `initial_value_threshold`...)."""
+    return callback._should_save_model(epoch, batch, logs, filepath)
+
+
+def backup_paths(callback) -> dict:
+    """`BackupAndRestore`'s four files: the latest and previous weights and training metadata."""
+    return {
+        "weights": callback._weights_path,
+        "metadata": callback._training_metadata_path,
+        "previous_weights": callback._prev_weights_path,
+        "previous_metadata": callback._prev_training_metadata_path,
+    }
+
+
+def set_initial_epoch(model, epoch: int) -> None:
+    """Makes `fit` start at `epoch`, as Keras' `BackupAndRestore` does (`Model._initial_epoch`)."""
+    model._initial_epoch = epoch
+
+
+def backup_position(callback) -> tuple:
+    """`(epoch, last batch seen)` as `BackupAndRestore` counts them."""
+    return callback._current_epoch, callback._last_batch_seen
+
+
+# --- TensorFlow runtime ---------------------------------------------------------
+
+
+def tensorflow_started() -> bool:
+    """Whether TensorFlow's runtime started, or found a GPU (whose driver a forked process cannot use)."""
+    started = eager_context.context()
+    listed = started._physical_devices or []
+    return started._initialized or any(device.device_type == "GPU" for device in listed)
+
+
 __all__ = [
+    "OVERRIDDEN",
+    "accumulators",
+    "added_losses",
+    "backup_paths",
+    "backup_position",
+    "checkpoint_file_path",
+    "checkpoint_should_save",
+    "clip_gradients",
+    "compile_arguments",
+    "compiled_loss",
+    "compute_loss",
+    "filter_empty_gradients",
+    "flatten_layers",
+    "graph_node_keys",
+    "inbound_nodes",
+    "keras_history",
+    "learning_rate_or_schedule",
+    "loss_tracker",
+    "nodes_by_depth",
+    "optimizer_iterations",
+    "optimizer_strategy",
+    "optimizer_trainable_variables",
+    "reinitialize",
+    "seed_generators",
+    "set_sequential_layers",
+    "keras_is_deserialising",
+    "DESERIALISING",
+    "set_initial_epoch",
+    "sequential_layers",
+    "swap_added_losses",
+    "symbolic_build",
+    "tensorflow_started",
+    "uses_weight_decay",
     "Functional",
     "array_data_adapter",
     "array_slicing",

@@ -25,6 +25,7 @@ from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src.utils import fault_points as _fault_points
 from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
+from kerasmulti._src import keras_private
 
 _METADATA = "kerasmulti_training_metadata"
 
@@ -105,18 +106,20 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         check_target(backup_dir, "ParallelBackupAndRestore", "backup_dir", backup_dir, folder=True)
 
     def on_train_begin(self, logs=None):
+        paths = keras_private.backup_paths(self)
         if _cluster.is_chief():
-            _atomic.remove_stale_temporaries(self._weights_path)
+            _atomic.remove_stale_temporaries(paths["weights"])
         try:
-            epoch = self._restore(self._weights_path, self._training_metadata_path)
+            epoch = self._restore(paths["weights"], paths["metadata"])
         except _Damaged as damaged:
             epoch = self._restore_previous(damaged)
         if epoch is not None:
-            self.model._initial_epoch = epoch
+            keras_private.set_initial_epoch(self.model, epoch)
 
     def _restore_previous(self, damaged: _Damaged):
         """Resumes from the `.bkp` files, as Keras does, and says so."""
-        latest, previous = self._weights_path, self._prev_weights_path
+        paths = keras_private.backup_paths(self)
+        latest, previous = paths["weights"], paths["previous_weights"]
         if not os.path.exists(previous):
             raise OSError(
                 f"ParallelBackupAndRestore cannot resume: '{damaged.path}' is damaged ({damaged.reason}) "
@@ -129,7 +132,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             stacklevel=3,
         )
         try:
-            epoch = self._restore(previous, self._prev_training_metadata_path)
+            epoch = self._restore(previous, paths["previous_metadata"])
         except _Damaged as too:
             raise OSError(
                 f"ParallelBackupAndRestore cannot resume: '{damaged.path}' and the previous backup, "
@@ -139,7 +142,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         if _cluster.is_chief():
             # The previous backup becomes the latest, as in Keras, so that the
             # next save keeps it as `.bkp` instead of the damaged file.
-            pairs = ((previous, latest), (self._prev_training_metadata_path, self._training_metadata_path))
+            pairs = ((previous, latest), (paths["previous_metadata"], paths["metadata"]))
             for source, target in pairs:
                 if os.path.exists(source):
                     _copy(source, target)
@@ -174,24 +177,23 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         if not _cluster.is_chief():
             return
         os.makedirs(self.backup_dir, exist_ok=True)
+        paths = keras_private.backup_paths(self)
         if self.double_checkpoint:
-            pairs = (
-                (self._weights_path, self._prev_weights_path),
-                (self._training_metadata_path, self._prev_training_metadata_path),
-            )
+            pairs = ((paths["weights"], paths["previous_weights"]), (paths["metadata"], paths["previous_metadata"]))
             for source, target in pairs:
                 if os.path.exists(source):
                     _copy(source, target)
-        metadata = json.dumps({"epoch": self._current_epoch, "batch": self._last_batch_seen})
+        epoch, batch = keras_private.backup_position(self)
+        metadata = json.dumps({"epoch": epoch, "batch": batch})
 
         def save(tmp):
             self.model.save_weights(tmp)
             with h5py.File(tmp, "a") as f:
                 f.attrs[_METADATA] = metadata
 
-        _atomic.write(self._weights_path, save)
+        _atomic.write(paths["weights"], save)
         _fault_points.reached("backup:weights")
-        _atomic.write(self._training_metadata_path, lambda tmp: _write_text(tmp, metadata))
+        _atomic.write(paths["metadata"], lambda tmp: _write_text(tmp, metadata))
 
     def on_train_end(self, logs=None):
         if _cluster.is_chief():

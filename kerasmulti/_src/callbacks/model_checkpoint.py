@@ -21,6 +21,7 @@ from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src.utils import fault_points as _fault_points
 from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src import keras_private
 
 
 class _TemplateFirst(type):
@@ -197,8 +198,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         logs = logs or {}
         given = set(logs) | {"epoch"} | ({"batch"} if batch is not None else set())
         self._check_fields(given, f"this {'epoch' if batch is None else 'batch'}'s logs do not have")
-        filepath = self._get_file_path(epoch, batch, logs)
-        if not self._should_save_model(epoch, batch, logs, filepath):
+        filepath = keras_private.checkpoint_file_path(self, epoch, batch, logs)
+        if not keras_private.checkpoint_should_save(self, epoch, batch, logs, filepath):
             return
         if _cluster.is_chief():  # every worker holds the same weights
             self._write(filepath)

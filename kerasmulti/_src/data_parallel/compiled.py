@@ -42,6 +42,7 @@ from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.keras_private import get_keras_mask, model_supports_jit, set_keras_mask
+from kerasmulti._src import keras_private
 
 
 def synchronized_batchnorm(template) -> list:
@@ -127,8 +128,8 @@ class CompiledReplicas:
         self._needs_counts = {}
         seed_states = [
             generator.state
-            for layer in self._template._flatten_layers(include_self=True, recursive=True)
-            for generator in getattr(layer, "_seed_generators", [])
+            for layer in keras_private.flatten_layers(self._template)
+            for generator in keras_private.seed_generators(layer)
         ]
         seed_ids = {id(state) for state in seed_states}
         self._is_seed = [id(v) in seed_ids for v in self._template.non_trainable_variables]
@@ -229,9 +230,7 @@ class CompiledReplicas:
                 if mode == "forward":
                     return {"y_pred": y_pred, "masks": tree.map_structure(get_keras_mask, y_pred)}
                 with _loss_parts.replica_part(share, valid, rows, local):
-                    loss = self._model._compute_loss(
-                        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-                    )
+                    loss = keras_private.compute_loss(self._model, x, y, y_pred, sample_weight, training)
                 scaled = loss * tf.cast(loss_scale, loss.dtype)
         self._traced_needs_counts = local.needs_counts
         if mode == "count":

@@ -30,6 +30,7 @@ import numpy as np
 from keras import ops
 
 from kerasmulti._src.keras_private import global_state, loss_module
+from kerasmulti._src import keras_private
 
 _local = threading.local()
 _original = loss_module.reduce_weighted_values
@@ -135,13 +136,12 @@ def added_losses_scaled(model, share):
     them in `additional_part`): a layer adds the mean over the rows it sees,
     so the shares make their sum over replicas the whole batch's mean.
     """
-    layers = model._flatten_layers(include_self=True, recursive=True)
-    before = [len(layer._losses) for layer in layers]
+    lists = [keras_private.added_losses(layer) for layer in keras_private.flatten_layers(model)]
+    before = [len(losses) for losses in lists]
     yield
-    for layer, start in zip(layers, before):
-        added = layer._losses[start:]
-        for k, loss in enumerate(added, start):
-            layer._losses[k] = loss * ops.cast(share, loss.dtype)
+    for losses, start in zip(lists, before):
+        for k in range(start, len(losses)):
+            losses[k] = losses[k] * ops.cast(share, losses[k].dtype)
 
 
 def counted_or_summed(rows, batch, summed: Callable) -> Callable:

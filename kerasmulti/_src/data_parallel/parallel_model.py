@@ -33,6 +33,7 @@ from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
+from kerasmulti._src import keras_private
 
 
 class ParallelModel(_persistence.TemplatePersistence, keras.Model):
@@ -99,7 +100,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         # template would wrap the shared optimizer in a LossScaleOptimizer.
         auto_scale_loss = kwargs.get("auto_scale_loss", True)
         self._template.compile(
-            **dict(self._compile_config.config, optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
+            **dict(keras_private.compile_arguments(self), optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         )
 
     def _resolve_auto_jit_compile(self):
@@ -259,9 +260,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
                 y_pred = self._template(x_i, training=training)
                 _split.check_batch_axis(y_pred, x_i)
                 with part:
-                    loss = self._compute_loss(
-                        x=x_i, y=y_i, y_pred=y_pred, sample_weight=sw_i, training=training
-                    )
+                    loss = keras_private.compute_loss(self, x_i, y_i, y_pred, sw_i, training)
                 scaled = self.optimizer.scale_loss(loss) if training and self.optimizer else loss
             gradients = tape.gradient(scaled, trainable) if trainable else []
             if timing:
@@ -289,7 +288,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
                 gradients = [
                     _split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))
                 ]
-        self._loss_tracker.update_state(
+        keras_private.loss_tracker(self).update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )
         return y_pred, gradients, shards
@@ -302,12 +301,11 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         `_split.deferred_loss_metrics`. This is the build Keras does with a
         strategy (`_symbolic_build`): symbolic, so no op reaches the step.
         """
-        if self._compile_loss is None or self._compile_loss.built:
+        compiled = keras_private.compiled_loss(self)
+        if compiled is None or compiled.built:
             return
         y_pred = compute_output_spec(self._template, x, training=False)
-        compute_output_spec(
-            self._compute_loss, x, y, y_pred, sample_weight=sample_weight, training=False
-        )
+        compute_output_spec(keras_private.compute_loss, self, x, y, y_pred, sample_weight, False)
 
     def _aggregate_additional_loss(self, loss):
         # Regularisers and add_loss: each replica adds its share.

@@ -31,6 +31,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 from keras import layers, ops
+from kerasmulti._src import keras_private
 
 _local = threading.local()
 
@@ -166,7 +167,7 @@ def run(
 def batchnorm_layers(model) -> list:
     return [
         layer
-        for layer in model._flatten_layers(include_self=False, recursive=True)
+        for layer in keras_private.flatten_layers(model, include_self=False)
         if isinstance(layer, layers.BatchNormalization)
     ]
 
@@ -179,7 +180,7 @@ def _synchronized_call(layer, original):
         if rendezvous is None or not (training and layer.trainable):
             return original(inputs, training=training, mask=mask)
         x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        axes = layer._reduction_axes
+        axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
         valid = ops.cast(_local.valid, x.dtype)
         # As Keras' _moments: masked elements are left out (`where`, so that
         # whatever they hold cannot reach the sums), and a masked count gets
@@ -297,10 +298,8 @@ def synchronized(model, bn_layers: list):
     `bn_layers` use whole-batch statistics, and every layer keeps the losses
     it adds per replica. (The lists bypass Keras' attribute tracking.)
     """
-    layers = model._flatten_layers(include_self=True, recursive=True)
-    saved = [layer.__dict__["_losses"] for layer in layers]
-    for layer in layers:
-        layer.__dict__["_losses"] = _PerReplicaLosses()
+    layers = keras_private.flatten_layers(model)
+    saved = [keras_private.swap_added_losses(layer, _PerReplicaLosses()) for layer in layers]
     for layer in bn_layers:
         layer.call = _synchronized_call(layer, type(layer).call.__get__(layer))
     try:
@@ -310,8 +309,7 @@ def synchronized(model, bn_layers: list):
             del layer.call
         for layer, losses in zip(layers, saved):
             # The replicas' losses, in replica order, as a plain call leaves them.
-            losses.extend(layer.__dict__["_losses"].all())
-            layer.__dict__["_losses"] = losses
+            losses.extend(keras_private.swap_added_losses(layer, losses).all())
 
 
 def cross_replica_sum(value, by_rows=False):

@@ -23,6 +23,7 @@ from keras import tree
 
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
+from kerasmulti._src import keras_private
 
 
 class Shard(NamedTuple):
@@ -265,7 +266,7 @@ def deferred_loss_metrics(model):
     it yields applies their sum once (`flush`; per-row values: merged), as
     one device would.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = keras_private.compiled_loss(model)
     deferred = DeferredLossMetrics(list(getattr(compile_loss, "metrics", None) or []))
 
     def recorder(metric):

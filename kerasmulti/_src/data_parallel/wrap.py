@@ -16,10 +16,11 @@ from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src import devices as _devices
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
+from kerasmulti._src import keras_private
 
 
 def _refuse_unsplittable(model) -> None:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in keras_private.flatten_layers(model, include_self=False):
         if getattr(layer, "stateful", False):
             # Its state carries over row by row from one batch to the next,
             # and replicas see different rows.
@@ -43,7 +44,7 @@ _ROW_MIXING = ("MixUp", "CutMix")
 
 
 def warn_row_mixing(model, stacklevel) -> None:
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in keras_private.flatten_layers(model, include_self=False):
         if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
             warnings.warn(
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows only within each "
@@ -56,7 +57,7 @@ def warn_row_mixing(model, stacklevel) -> None:
 def _relocate_to_cpu(model) -> None:
     with tf.device("/cpu:0"):
         for variable in model.variables:
-            variable._initialize(variable.value.read_value())
+            keras_private.reinitialize(variable, variable.value.read_value())
 
 
 def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> ParallelModel:
@@ -102,7 +103,7 @@ def _build_layers(model) -> None:
     in its first step, but replicas must share weights that exist before
     they run. This is the symbolic build Keras runs under a strategy.
     """
-    if all(layer.built for layer in model._flatten_layers()):
+    if all(layer.built for layer in keras_private.flatten_layers(model)):
         return
     shape = (model.get_build_config() or {}).get("input_shape")
     try:

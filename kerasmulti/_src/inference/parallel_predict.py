@@ -29,6 +29,7 @@ from kerasmulti._src.inference import sources as _sources
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._src.devices import is_positive_int, resolve_devices
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
+from kerasmulti._src import keras_private
 
 _CACHE = "__kerasmulti_parallel_models"
 _STEP = "_kerasmulti_predict"
@@ -83,7 +84,7 @@ def _output_names(template, outputs) -> list[str]:
         names = list(getattr(template, "output_names", None) or [])
         if not names and getattr(template, "outputs", None):
             # Sequential has no output_names; its outputs know their layers.
-            names = [t._keras_history.operation.name for t in template.outputs]
+            names = [keras_private.keras_history(t).operation.name for t in template.outputs]
     if len(names) != len(flat) or len(set(names)) != len(names):
         names = [f"output_{i}" for i in range(len(flat))]
     return names
@@ -286,7 +287,7 @@ def _parallel_of(model, gpus, devices) -> ParallelModel:
     # In a cluster too, inference runs on this worker's devices alone.
     key = tuple(resolve_devices(gpus, devices))
     # Only outside an autocast scope (as here) is `value` the variable itself.
-    built_on = [*model._flatten_layers(include_self=False), *(v.value for v in model.variables)]
+    built_on = [*keras_private.flatten_layers(model, include_self=False), *(v.value for v in model.variables)]
     cache = model.__dict__.setdefault(_CACHE, {})
     parallel, cached_on = cache.get(key, (None, []))
     same = len(cached_on) == len(built_on) and all(a is b for a, b in zip(cached_on, built_on))

@@ -12,12 +12,11 @@ with it.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 
 import keras
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.devices import resolve_device
 from kerasmulti._src.model_parallel.on_device import OnDevice
@@ -26,32 +25,13 @@ _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
 _installed = 0
 _install_lock = threading.Lock()
-_DESERIALISING = frozenset({"from_config", "functional_from_config", "deserialize_keras_object"})
-
-
 def _is_symbolic(args, kwargs) -> bool:
     return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
 
 
-def _deserialising() -> bool:
-    """Whether Keras is rebuilding a model from its config (loading, cloning).
-
-    A model loaded inside a scope keeps the placement it was saved with:
-    wrapping its layers again would rename them, and its weights would no
-    longer match.
-    """
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in _DESERIALISING and f"{os.sep}keras{os.sep}" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def _scoped_call(self, *args, **kwargs):
     device = _scopes.innermost()
-    if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not _deserialising():
+    if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not keras_private.keras_is_deserialising(skip=2):
         return OnDevice(self, device, _validated=True)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
 
@@ -63,11 +43,11 @@ def _scoped_sequential_build(self, input_shape=None):
     summarised and cloned without their placement.
     """
     device = _scopes.innermost()
-    if device and not _deserialising():
-        self._layers = [
+    if device and not keras_private.keras_is_deserialising(skip=2):
+        keras_private.set_sequential_layers(self, [
             layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else OnDevice(layer, device, _validated=True)
-            for layer in self._layers
-        ]
+            for layer in keras_private.sequential_layers(self)
+        ])
     with _scopes.suspended():
         return _original_sequential_build(self, input_shape)
 

@@ -16,6 +16,7 @@ import tensorflow as tf
 from kerasmulti._src.inference import parallel_predict as _parallel_predict
 from kerasmulti._src.devices import _canonical, resolve_device
 from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src import keras_private
 
 
 def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
@@ -104,7 +105,7 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
             f"{{'/gpu:1': '/gpu:0'}}. Received: mapping={mapping!r}"
         )
     moves = {_old_device(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in keras_private.flatten_layers(model, include_self=False):
         if isinstance(layer, OnDevice) and layer.device in moves:
             layer.device = moves[layer.device]
     # Traced steps keep the old devices: fit/evaluate/predict's, and

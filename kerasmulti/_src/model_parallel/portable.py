@@ -38,6 +38,7 @@ from kerasmulti._src.keras_private import saving_lib
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.data_parallel.parallel_model import unwrap
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
+from kerasmulti._src import keras_private
 
 RECORD = "kerasmulti_devices"
 _original_save = saving_lib.save_model
@@ -180,7 +181,7 @@ def _saved_plain(model) -> bool:
 def _placed(layer) -> bool:
     if not isinstance(layer, keras.layers.Layer):  # an op such as keras.ops.add
         return False
-    return any(isinstance(inner, OnDevice) for inner in layer._flatten_layers(include_self=True, recursive=True))
+    return any(isinstance(inner, OnDevice) for inner in keras_private.flatten_layers(layer))
 
 
 def _rebuildable(layer) -> bool:
@@ -232,7 +233,7 @@ def _recorded(config: dict, model, wrappers: dict) -> dict:
 
 
 def _twin(model):
-    layers = [id(layer) for layer in model._flatten_layers(include_self=False, recursive=True)]
+    layers = [id(layer) for layer in keras_private.flatten_layers(model, include_self=False)]
     made, twin = _twins.get(model, (None, None))
     if made != layers:
         with _scopes.suspended():

@@ -19,6 +19,7 @@ from typing import Callable
 import keras
 
 from kerasmulti._src.keras_private import Functional, make_node_key
+from kerasmulti._src import keras_private
 
 # Only these classes are rebuilt: a subclass would lose its own methods, and
 # a subclassed model builds its graph in its own code.
@@ -31,7 +32,7 @@ def own_calls(model: keras.Model, layer) -> list:
     This is the order of the layer's `inbound_nodes` in `model`'s config. A
     layer also called in another model has nodes there too.
     """
-    return [node for i, node in enumerate(layer._inbound_nodes) if make_node_key(layer, i) in model._nodes]
+    return [node for i, node in enumerate(keras_private.inbound_nodes(layer)) if make_node_key(layer, i) in keras_private.graph_node_keys(model)]
 
 
 def rebuilt(model: keras.Model, choose: Callable) -> keras.Model:
@@ -44,14 +45,15 @@ def rebuilt(model: keras.Model, choose: Callable) -> keras.Model:
     """
     if isinstance(model, keras.Sequential):
         layers = [choose(layer, None) for layer in model.layers]
-        first = model._layers[0] if model._layers else None
+        first = next(iter(keras_private.sequential_layers(model)), None)
         if isinstance(first, keras.layers.InputLayer):
             layers.insert(0, _input_like(first.output, first.name))
         return keras.Sequential(layers, name=model.name, trainable=model.trainable)
-    inputs = keras.tree.map_structure(lambda x: _input_like(x, x._keras_history.operation.name), model.input)
+    inputs = keras.tree.map_structure(lambda x: _input_like(x, keras_private.keras_history(x).operation.name), model.input)
     computed = {id(x): y for x, y in zip(keras.tree.flatten(model.input), keras.tree.flatten(inputs))}
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
+    by_depth = keras_private.nodes_by_depth(model)
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
             if node.is_input or any(id(x) not in computed for x in node.input_tensors):
                 continue  # as Keras skips a node that the inputs do not reach
             args, kwargs = node.arguments.fill_in(computed)

@@ -8,6 +8,7 @@ import keras
 
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.keras_private import make_node_key
+from kerasmulti._src import keras_private
 
 
 class PlacementSummary:
@@ -71,17 +72,16 @@ def _device_of(layer) -> str | None:
 
 def _source_device(tensor) -> str | None:
     """The device that makes `tensor`: inside a sub-model that is not wrapped, its layer's."""
-    operation, _, index = tensor._keras_history
+    operation, _, index = keras_private.keras_history(tensor)
     while isinstance(operation, keras.Model) and _own_nodes(operation) is not None:
         tensor = keras.tree.flatten(operation.outputs)[index]
-        operation, _, index = tensor._keras_history
+        operation, _, index = keras_private.keras_history(tensor)
     return _device_of(operation)
 
 
 def _own_nodes(model) -> set | None:
     """Keys of the nodes that belong to `model`'s graph (a layer may be in others too)."""
-    graph = getattr(model, "_functional", None) or model  # a Sequential builds one
-    return getattr(graph, "_nodes", None)
+    return keras_private.graph_node_keys(model)
 
 
 def _add_rows(model, prefix: str, rows: list, crossings: list, owners: dict) -> None:
@@ -109,11 +109,11 @@ def _add_rows(model, prefix: str, rows: list, crossings: list, owners: dict) -> 
                 "shares_weights_with": None if owner == name else owner,
             }
         )
-        for index, node in enumerate(getattr(layer, "_inbound_nodes", [])):
+        for index, node in enumerate(keras_private.inbound_nodes(layer)):
             if nodes is not None and make_node_key(layer, index) not in nodes:
                 continue  # the layer called in another model
             for tensor in node.input_tensors:
-                source = tensor._keras_history.operation
+                source = keras_private.keras_history(tensor).operation
                 if _source_device(tensor) != _device_of(layer):
                     crossings.append(
                         {

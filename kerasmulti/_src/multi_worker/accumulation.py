@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
+from kerasmulti._src import keras_private
 
 
 def _scaler(optimizer):
@@ -69,7 +70,7 @@ def apply(optimizer, grads, variables) -> None:
     context = tf.distribute.get_replica_context()
     check(optimizer, variables)  # variables a model built after compile created
     scaler, optimizer = _scaler(optimizer), _inner(optimizer)
-    grads, variables = optimizer._filter_empty_gradients(grads, list(variables))
+    grads, variables = keras_private.filter_empty_gradients(optimizer, grads, list(variables))
     scale = optimizer.loss_scale_factor
     if scale is not None:
         grads = [g / scale for g in grads]
@@ -82,17 +83,18 @@ def apply(optimizer, grads, variables) -> None:
     if scaler:
         grads = [g / tf.cast(scaler.dynamic_scale, g.dtype) for g in grads]
     steps = optimizer.gradient_accumulation_steps
-    accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+    accumulators = keras_private.accumulators(optimizer, variables)
     sums = [g + a for g, a in zip(grads, accumulators)]
     # Keras' update branch, computed on every step (cheap, and outside the cond).
-    averaged = optimizer._clip_gradients([s / steps for s in sums])
+    averaged = keras_private.clip_gradients(optimizer, [s / steps for s in sums])
     learning_rate = optimizer.learning_rate
     context.merge_call(_update, args=(scaler, finite, optimizer, averaged, sums, variables, accumulators, learning_rate))
     # A skipped step (non-finite gradient) leaves the variables and iterations.
     for variable in variables:
         if variable.constraint is not None:
             variable.assign(tf.where(finite, variable.constraint(variable), variable))
-    optimizer._iterations.assign_add(tf.cast(finite, optimizer._iterations.dtype))
+    iterations = keras_private.optimizer_iterations(optimizer)
+    iterations.assign_add(tf.cast(finite, iterations.dtype))
 
 
 def _update(strategy, scaler, finite, optimizer, averaged, sums, variables, accumulators, learning_rate):
@@ -129,7 +131,7 @@ def _step(strategy, optimizer, averaged, sums, variables, accumulators, learning
     def update():
         if optimizer.weight_decay is not None:
             for variable in variables:
-                if optimizer._use_weight_decay(variable):
+                if keras_private.uses_weight_decay(optimizer, variable):
                     each(variable, _decay, optimizer.learning_rate, optimizer.weight_decay)
         for grad, variable in zip(averaged, variables):
             each(variable, lambda var, g, lr: optimizer.update_step(g, var, lr), grad, learning_rate)
@@ -140,7 +142,7 @@ def _step(strategy, optimizer, averaged, sums, variables, accumulators, learning
         for total, accumulator in zip(sums, accumulators):
             each(accumulator, lambda var, value: var.assign(value), total)
 
-    tf.cond((optimizer._iterations + 1) % steps == 0, update, accumulate)
+    tf.cond((keras_private.optimizer_iterations(optimizer) + 1) % steps == 0, update, accumulate)
 
 
 def _decay(variable, learning_rate, weight_decay):

@@ -162,12 +162,10 @@ class _Forked:
 def _tensorflow_started() -> bool:
     if "tensorflow" not in sys.modules:
         return False
-    from kerasmulti._src.keras_private import eager_context as context
+    from kerasmulti._src import keras_private
 
     # Finding a GPU starts its driver, which a forked process cannot use.
-    started = context.context()
-    listed = started._physical_devices or []
-    return started._initialized or any(device.device_type == "GPU" for device in listed)
+    return keras_private.tensorflow_started()
 
 
 def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:

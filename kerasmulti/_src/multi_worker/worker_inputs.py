@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from kerasmulti._src import cluster as _cluster
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
@@ -95,8 +96,8 @@ def _shuffled(kwargs, seed):
 def _per_worker_dataset(strategy, dataset_fn):
     """This worker's dataset from `dataset_fn`, padded with empty batches to the longest worker's count."""
     context = tf.distribute.InputContext(
-        num_input_pipelines=strategy.extended._num_workers,
-        input_pipeline_id=strategy.extended._id_in_cluster,
+        num_input_pipelines=_cluster.worker_count(strategy),
+        input_pipeline_id=_cluster.worker_index(strategy),
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
     local = _batches(dataset_fn(context))

@@ -54,6 +54,7 @@ from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
+from kerasmulti._src import keras_private
 
 
 class WorkerModel(ParallelModel):
@@ -68,7 +69,7 @@ class WorkerModel(ParallelModel):
 
     @property
     def num_workers(self) -> int:
-        return self._strategy.extended._num_workers
+        return _cluster.worker_count(self._strategy)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
         """Configures training as `keras.Model.compile`, inside the strategy's scope.
@@ -195,12 +196,10 @@ class WorkerModel(ParallelModel):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""
         share, rows, total = _share(x)
         with self._part(share, rows, total):
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
-            )
+            loss = keras_private.compute_loss(self, x, y, y_pred, sample_weight, training)
         # part / share, weighted by this replica's rows: the mean across
         # workers is the global batch's loss.
-        self._loss_tracker.update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
+        keras_private.loss_tracker(self).update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
         return loss
 
     @contextlib.contextmanager
@@ -213,7 +212,7 @@ class WorkerModel(ParallelModel):
         batch's value.
         """
         context = tf.distribute.get_replica_context()
-        trackers = list(getattr(self._compile_loss, "metrics", None) or [])
+        trackers = list(getattr(keras_private.compiled_loss(self), "metrics", None) or [])
 
         def record(tracker):
             def update_state(values, sample_weight=None):
@@ -241,7 +240,7 @@ class WorkerModel(ParallelModel):
                 break
         data_batch = tree.map_structure(self._first_replica, data_batch)
         with self._strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
+            keras_private.symbolic_build(self, data_batch)
 
     def _first_replica(self, value):
         if isinstance(value, tf.distribute.DistributedValues):
@@ -260,17 +259,17 @@ class WorkerModel(ParallelModel):
 def _in_scope(optimizer, strategy):
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer
-    if getattr(optimizer, "_distribution_strategy", strategy) is strategy:
+    if keras_private.optimizer_strategy(optimizer, strategy) is strategy:
         return optimizer
     config = optimizer.get_config()
-    learning_rate = optimizer._learning_rate
+    learning_rate = keras_private.learning_rate_or_schedule(optimizer)
     if not isinstance(learning_rate, keras.Variable):
         # A schedule or a callable: shared as it is; its config may name a
         # class or a lambda that from_config cannot rebuild.
         config["learning_rate"] = learning_rate
     adopted = optimizer.__class__.from_config(config)
     if optimizer.built:
-        adopted.build([v for v in optimizer._trainable_variables])
+        adopted.build(keras_private.optimizer_trainable_variables(optimizer))
         for new, old in zip(adopted.variables, optimizer.variables):
             new.assign(old)
     return adopted
@@ -361,7 +360,7 @@ def _adopt_variables(variables) -> None:
     """Re-creates Keras variables in the current strategy scope, keeping their values."""
     for variable in variables:
         if not isinstance(variable.value, tf.distribute.DistributedValues):
-            variable._initialize(variable.value.read_value())
+            keras_private.reinitialize(variable, variable.value.read_value())
 
 
 def adopt(template: keras.Model, strategy) -> WorkerModel:
