@@ -495,8 +495,8 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
     elsewhere = here.replace(f"@{socket.gethostname()}-", "@another-machine-")
     running = _atomic.temporary_path(target)
     dashed = _atomic.temporary_path(str(tmp_path / "ckpt.v-2")).replace(f"{os.getpid()}@", f"{finished.pid}@")
-    older = str(tmp_path / f".m.keras.kerasmulti-tmp-{finished.pid}-0123abcd.keras")  # before hosts were named
-    for path in (here, elsewhere, running, dashed, older):
+    hostless = str(tmp_path / f".m.keras.kerasmulti-tmp-{finished.pid}-0123abcd.keras")  # whose host is unknown
+    for path in (here, elsewhere, running, dashed, hostless):
         open(path, "w").close()
-    assert sorted(_atomic.remove_stale_temporaries(target)) == sorted([here, dashed, older])
-    assert os.path.exists(elsewhere) and os.path.exists(running)
+    assert sorted(_atomic.remove_stale_temporaries(target)) == sorted([here, dashed])
+    assert os.path.exists(elsewhere) and os.path.exists(running) and os.path.exists(hostless)

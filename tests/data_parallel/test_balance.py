@@ -118,7 +118,7 @@ def test_losses_layers_add_count_by_each_replicas_rows_under_a_split(jit):
 
 
 def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
-    sizes = lambda batch, split: [s.size for s in _split.plan(batch, len(split), split)]  # noqa: E731
+    sizes = lambda batch, split: [s.counted for s in _split.plan(batch, len(split), split)]  # noqa: E731
     assert sizes(10, (0.5, 0.25, 0.25)) == [5, 3, 2]
     assert sizes(64, (2 / 3, 1 / 3)) == [43, 21]
     assert sizes(4, (0.98, 0.01, 0.01)) == [2, 1, 1]  # every device keeps a row
@@ -129,10 +129,10 @@ def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
         assert all(abs(g - batch * p) < 2 for g, p in zip(got, (0.6, 0.3, 0.1)))
     # Known at run time only (a measured split): cumulative rounding, idle replicas allowed.
     shards = _split.plan(tf.constant(10), 3, tf.constant([0.5, 0.25, 0.25]))
-    assert [int(s.size) for s in shards] == [5, 3, 2]  # ends round(5.0), round(7.5) = 8 (half to even), 10
+    assert [int(s.counted) for s in shards] == [5, 3, 2]  # ends round(5.0), round(7.5) = 8 (half to even), 10
     shards = _split.plan(tf.constant(4), 3, tf.constant([0.9, 0.05, 0.05]))
-    assert [int(s.size) for s in shards] == [4, 0, 0]
-    assert [int(s.take) for s in shards] == [4, 1, 1]  # idle replicas compute on a borrowed row
+    assert [int(s.counted) for s in shards] == [4, 0, 0]
+    assert [int(s.sliced) for s in shards] == [4, 1, 1]  # idle replicas compute on a borrowed row
 
 
 @pytest.mark.parametrize(

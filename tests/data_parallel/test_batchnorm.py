@@ -64,15 +64,15 @@ def test_a_replica_that_fails_while_synchronised_raises_instead_of_hanging():
             raise RuntimeError("replica exploded")
         return type(template.layers[0]).call(template.layers[0], *args, **kwargs)
 
-    from kerasmulti._src.data_parallel import replicas as _replicas
+    from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 
-    original = _replicas._synchronized_call
-    _replicas._synchronized_call = lambda layer, call: lambda *a, **k: (failing(*a, **k), original(layer, call)(*a, **k))[1]
+    original = _sync_batchnorm._synchronized_call
+    _sync_batchnorm._synchronized_call = lambda layer, call: lambda *a, **k: (failing(*a, **k), original(layer, call)(*a, **k))[1]
     try:
         with pytest.raises(RuntimeError, match="replica exploded"):
             parallel(np.ones((6, 1), "float32"), training=True)
     finally:
-        _replicas._synchronized_call = original
+        _sync_batchnorm._synchronized_call = original
 
 
 def test_activity_regularisers_count_each_replica_once():
@@ -143,7 +143,7 @@ def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
 
     def replica(i):
         if i == 1:  # away, without holding up the others' turns
-            turn = _replicas._local.sync.turn
+            turn = _replicas.rendezvous().turn
             turn.release()
             try:
                 time.sleep(1.0)

@@ -214,19 +214,6 @@ def test_a_model_placed_in_its_own_code_keeps_its_wrappers_in_a_stable_file(tmp_
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
 
 
-def test_a_file_from_kerasmulti_0_1_still_loads():
-    # placed_before_portable.keras: a shared LSTM on two devices and two
-    # placed towers (_placed_towers() without its head), saved by kerasmulti
-    # at commit 586dea8, when files held OnDevice layers that numbered their
-    # layer by its memory address; the .npz holds inputs and predictions.
-    loaded = kerasmulti.load_model(DATA / "placed_before_portable.keras")
-    saved = np.load(DATA / "placed_before_portable.npz")
-    assert loaded.count_params() == saved["params"]
-    lstm_a, lstm_b = (w for w in loaded.layers if isinstance(w, kerasmulti.OnDevice))
-    assert lstm_a.layer is lstm_b.layer
-    np.testing.assert_allclose(loaded.predict([saved["x0"], saved["x1"]], verbose=0), saved["y"], rtol=1e-6)
-
-
 def test_a_wrapper_whose_layer_was_not_loaded_is_refused():
     config = {"name": "dense_on_cpu1", "device": "/device:CPU:1", "layer": None, "layer_id": 3}
     with pytest.raises(ValueError, match=r"was not loaded first.*load_model\. Received: layer_id=3"):

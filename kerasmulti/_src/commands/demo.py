@@ -112,7 +112,7 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
     print(f"Devices ({len(devices)}): {', '.join(devices)}")
     print(
         f"Each batch of {batch_size} is split into sub-batches of "
-        + ", ".join(f"{s.size} on {d}" for s, d in zip(shards, devices))
+        + ", ".join(f"{s.counted} on {d}" for s, d in zip(shards, devices))
     )
     print(f"Training on {len(x_train)} digits, testing on {len(x_test)}.")
     _compile(parallel)

@@ -40,6 +40,7 @@ from keras import tree
 
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.keras_private import get_keras_mask, model_supports_jit, set_keras_mask
 from kerasmulti._src import keras_private
@@ -47,7 +48,7 @@ from kerasmulti._src import keras_private
 
 def synchronized_batchnorm(template) -> list:
     """The BatchNormalization layers built with `synchronized=True`."""
-    return [layer for layer in _replicas.batchnorm_layers(template) if getattr(layer, "synchronized", False)]
+    return [layer for layer in _sync_batchnorm.batchnorm_layers(template) if getattr(layer, "synchronized", False)]
 
 
 def resolve(template, jit_compile, replicas: int) -> bool:
@@ -143,7 +144,7 @@ class CompiledReplicas:
     def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred, timing=None):
         """Every replica's step; returns `(y_pred, loss, gradients)` per replica.
 
-        The loss trackers' values go to `deferred` (`_split.DeferredLossMetrics`),
+        The loss trackers' values go to `deferred` (`loss_metrics.DeferredLossMetrics`),
         the replicas' busy times to `timing` (`_balance.StepTiming`), if given.
         Non-trainable updates (BatchNormalization, seed states) are assigned
         to the template after a training step.
@@ -180,7 +181,7 @@ class CompiledReplicas:
         for i, shard in enumerate(shards):
             x, y, sample_weight = pieces[i]
             state = [self._seeded(v, i) if seed else v for v, seed in zip(non_trainable, self._is_seed)]
-            scalars = [tf.cast(value, tf.float32) for value in (shares[i], _valid(shard), shard.take)]
+            scalars = [tf.cast(value, tf.float32) for value in (shares[i], _valid(shard), shard.sliced)]
             arguments.append((trainable, frozen, state, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 
@@ -248,7 +249,7 @@ class CompiledReplicas:
 
 
 def _valid(shard):
-    return shard.size > 0 if not isinstance(shard.size, int) else float(shard.size > 0)
+    return shard.counted > 0 if not isinstance(shard.counted, int) else float(shard.counted > 0)
 
 
 def _with_masks(y_pred, masks):

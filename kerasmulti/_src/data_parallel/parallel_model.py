@@ -13,7 +13,7 @@ the gradients are summed. Each replica's loss is its part of the whole
 batch's (`_loss_parts.py`), so the sum equals the one-device gradient for every
 Keras loss reduction, masked losses included. Metrics are computed once on
 the merged output, so stateful metrics (AUC) see the whole batch.
-BatchNormalization is synchronised, see `_replicas.py`.
+BatchNormalization is synchronised, see `sync_batchnorm.py`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ import tensorflow as tf
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
 from kerasmulti._src.data_parallel import persistence as _persistence
+from kerasmulti._src.data_parallel import replica_losses as _replica_losses
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 from kerasmulti._src import keras_private
 
@@ -53,10 +56,6 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
     ```
     """
 
-    # False in subclasses whose replicas another engine runs (a tf.distribute
-    # strategy): they neither compile replicas nor feed arrays themselves.
-    _runs_replicas = True
-
     def __init__(self, template, devices, merge_device, split=None, **kwargs):
         super().__init__(name=f"parallel_{template.name}", **kwargs)
         self._template = template
@@ -66,7 +65,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         self._auto_split = _balance.AutoSplit(len(devices)) if split == "auto" else None
         self._split = split
         self._timing = _balance.StepTiming(devices) if self._auto_split else None
-        self._batchnorm = _replicas.batchnorm_layers(template)
+        self._batchnorm = _sync_batchnorm.batchnorm_layers(template)
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -88,7 +87,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         if replicas > 1:
             run_eagerly = kwargs.get("run_eagerly", False)
             self._compiled = None
-            if self._runs_replicas and not run_eagerly and _compiled.resolve(self._template, jit_compile, replicas):
+            if not run_eagerly and self._compiles_replicas(jit_compile):
                 self._compiled = _compiled.CompiledReplicas(self)
             jit_compile = False  # the outer step spans the devices
         super().compile(*args, jit_compile=jit_compile, **kwargs)
@@ -103,6 +102,14 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
             **dict(keras_private.compile_arguments(self), optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         )
 
+    def _compiles_replicas(self, jit_compile) -> bool:
+        """Whether this model compiles each replica's step with XLA itself (`compiled.py`)."""
+        return _compiled.resolve(self._template, jit_compile, len(self._replica_devices))
+
+    def _fed(self, feed, arguments: dict) -> dict:
+        """`fit`/`evaluate`/`predict`'s arguments, arrays going through `feed`'s steady pipeline."""
+        return feed(arguments)
+
     def _resolve_auto_jit_compile(self):
         # Keras' "auto" for a model never compiled (predict straight after
         # parallelize): the outer step spans the devices, so XLA stays off.
@@ -114,23 +121,17 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`_feeding`)."""
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _monitor.attach(self, arguments.get("callbacks"))
-        if self._runs_replicas:
-            arguments = _feeding.fit_arguments(arguments)
-        return super().fit(**arguments)
+        return super().fit(**self._fed(_feeding.fit_arguments, arguments))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
         arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
-        if self._runs_replicas:
-            arguments = _feeding.evaluate_arguments(arguments)
-        return super().evaluate(**arguments)
+        return super().evaluate(**self._fed(_feeding.evaluate_arguments, arguments))
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; arrays go through a steady pipeline."""
         arguments = _feeding.bound(keras.Model.predict, args, kwargs)
-        if self._runs_replicas:
-            arguments = _feeding.predict_arguments(arguments)
-        return super().predict(**arguments)
+        return super().predict(**self._fed(_feeding.predict_arguments, arguments))
 
     @property
     def replica_jit_compile(self) -> bool:
@@ -181,7 +182,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
                 return _split.merge(outputs, shards)
 
         def replica(i):
-            _replicas.set_valid(shards[i].size)
+            _replicas.set_valid(shards[i].counted)
             # Losses its layers add (regularisers, add_loss) count by its rows.
             with _loss_parts.added_losses_scaled(self._template, shares[i]):
                 return self._template(pieces[i], training=training)
@@ -252,10 +253,10 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         pieces = self._slice((x, y, sample_weight), shards)
 
         def replica(i):
-            _replicas.set_valid(shards[i].size)
+            _replicas.set_valid(shards[i].counted)
             x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
-            total = _loss_parts.counted_or_summed(shards[i].take, batch, _replicas.cross_replica_sum)
-            part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].take, total)
+            total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)
+            part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].sliced, total)
             with tf.GradientTape() as tape:
                 y_pred = self._template(x_i, training=training)
                 _split.check_batch_axis(y_pred, x_i)
@@ -270,7 +271,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         # Synchronised: the replicas' losses need the whole batch's totals
         # (see _losses), and BatchNormalization its statistics.
         with contextlib.ExitStack() as stack:
-            deferred = stack.enter_context(_split.deferred_loss_metrics(self))
+            deferred = stack.enter_context(_loss_metrics.deferred_loss_metrics(self))
             if self.replica_jit_compile:
                 scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
                 results = self._compiled.run(
@@ -298,7 +299,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
 
         Without a distribution strategy Keras builds it in the first step's
         loss call, and the trackers it creates then would miss
-        `_split.deferred_loss_metrics`. This is the build Keras does with a
+        `_loss_metrics.deferred_loss_metrics`. This is the build Keras does with a
         strategy (`_symbolic_build`): symbolic, so no op reaches the step.
         """
         compiled = keras_private.compiled_loss(self)
@@ -323,7 +324,10 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
     def _synchronized(self, enabled):
         if not enabled:
             return contextlib.nullcontext()
-        return _replicas.synchronized(self, self._batchnorm)
+        stack = contextlib.ExitStack()
+        stack.enter_context(_replica_losses.kept_per_replica(self))
+        stack.enter_context(_sync_batchnorm.synchronized(self._batchnorm))
+        return stack
 
 
 def _warn_overrides(template: keras.Model, names) -> None:

@@ -1,4 +1,4 @@
-"""Running one function per replica device, and synchronised BatchNormalization.
+"""Running one function per replica device, on threads that can meet.
 
 Replicas are traced under their own `tf.device` scopes; TensorFlow's executor
 then runs the independent replica graphs concurrently. Forward passes (predict)
@@ -10,16 +10,8 @@ device would. Such steps trace each replica on its own thread (as
 `tf.distribute.MirroredStrategy` does, one thread tracing at a time), and the
 threads meet where they need each other's values (`cross_replica_sum`).
 
-At every BatchNormalization call the replicas sum per channel their row counts
-and sums (for the mean), then their squared deviations from it (for the
-variance), exactly as one device would compute them. The sums are
-differentiable all-reduces, so gradients flowing through the statistics reach
-every replica. Only replica 0 updates the moving statistics, once per step.
-The cost is two small all-reduces per BatchNormalization layer forward and two
-backward per step, and a synchronisation point at each: replicas wait for the
-slowest one. While replicas take turns mid-forward, the losses layers add in
-`call` (activity regularisers) are kept per replica thread, so each replica's
-loss counts its own.
+Synchronised BatchNormalization (`sync_batchnorm.py`) and the per-replica
+loss lists (`replica_losses.py`) are built on these meetings.
 """
 
 from __future__ import annotations
@@ -28,10 +20,7 @@ import contextlib
 import threading
 from typing import Callable
 
-import keras
 import tensorflow as tf
-from keras import layers, ops
-from kerasmulti._src import keras_private
 
 _local = threading.local()
 
@@ -164,154 +153,6 @@ def run(
     return results
 
 
-def batchnorm_layers(model) -> list:
-    return [
-        layer
-        for layer in keras_private.flatten_layers(model, include_self=False)
-        if isinstance(layer, layers.BatchNormalization)
-    ]
-
-
-def _synchronized_call(layer, original):
-    """A BatchNormalization `call` that normalises with whole-batch statistics."""
-
-    def call(inputs, training=None, mask=None):
-        rendezvous = getattr(_local, "sync", None)
-        if rendezvous is None or not (training and layer.trainable):
-            return original(inputs, training=training, mask=mask)
-        x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
-        valid = ops.cast(_local.valid, x.dtype)
-        # As Keras' _moments: masked elements are left out (`where`, so that
-        # whatever they hold cannot reach the sums), and a masked count gets
-        # epsilon, so a wholly masked batch gives zeros, not NaN.
-        if mask is None:
-            kept, epsilon = None, 0.0
-        else:
-            kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
-            epsilon = keras.backend.epsilon()
-
-        def masked(values):
-            return values if kept is None else ops.where(kept, values, 0)
-
-        w = masked(ops.ones_like(x))
-        totals = _all_reduce_sum(
-            rendezvous,
-            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(masked(x), axes)]) * valid,
-        )
-        count = totals[0] + epsilon
-        global_mean = totals[1] / count
-        deviations = ops.sum(masked(ops.square(x - _expand(global_mean, x, axes))), axes)
-        variance = _all_reduce_sum(rendezvous, deviations * valid) / count
-        if replica_id() == 0:
-            momentum = layer.momentum
-            layer.moving_mean.assign(
-                ops.cast(layer.moving_mean, x.dtype) * momentum
-                + global_mean * (1.0 - momentum)
-            )
-            layer.moving_variance.assign(
-                ops.cast(layer.moving_variance, x.dtype) * momentum
-                + variance * (1.0 - momentum)
-            )
-        outputs = ops.batch_normalization(
-            x=x,
-            mean=global_mean,
-            variance=variance,
-            axis=layer.axis,
-            offset=ops.cast(layer.beta, x.dtype) if layer.center else None,
-            scale=ops.cast(layer.gamma, x.dtype) if layer.scale else None,
-            epsilon=layer.epsilon,
-        )
-        return ops.cast(outputs, layer.compute_dtype)
-
-    return call
-
-
-def _all_reduce_sum(rendezvous, value):
-    """Sum over replicas, differentiable: its gradient is the sum of upstreams.
-
-    Replica j's loss depends on replica i's activations through the shared
-    statistics; summing the upstream gradients carries those cross terms back
-    to every replica, as `tf.distribute`'s all-reduce does.
-    """
-
-    @tf.custom_gradient
-    def reduce(local):
-        def grad(upstream):
-            return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
-
-        return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
-
-    return reduce(value)
-
-
-def _expand(stat, x, axes):
-    for axis in sorted(a % len(x.shape) for a in axes):
-        stat = ops.expand_dims(stat, axis)
-    return stat
-
-
-class _PerReplicaLosses:
-    """A layer's `_losses` list, one per replica thread.
-
-    Keras keeps the losses a layer adds in `call` (activity regularisers,
-    `add_loss`) on the layer, and each top-level call clears them. Replicas
-    traced on threads take turns mid-forward (at every BatchNormalization),
-    so with one shared list a replica would clear or count another's losses.
-    """
-
-    def __init__(self):
-        self._lists: dict[int, list] = {}
-
-    def _mine(self) -> list:
-        return self._lists.setdefault(replica_id(), [])
-
-    def extend(self, losses):
-        self._mine().extend(losses)
-
-    def append(self, loss):
-        self._mine().append(loss)
-
-    def clear(self):
-        self._mine().clear()
-
-    def all(self) -> list:
-        return [loss for replica in sorted(self._lists) for loss in self._lists[replica]]
-
-    def __getitem__(self, index):
-        return self._mine()[index]
-
-    def __setitem__(self, index, loss):
-        self._mine()[index] = loss
-
-    def __iter__(self):
-        return iter(self._mine())
-
-    def __len__(self):
-        return len(self._mine())
-
-
-@contextlib.contextmanager
-def synchronized(model, bn_layers: list):
-    """Sets up `run(..., synchronized=True)` for `model`'s replicas.
-
-    `bn_layers` use whole-batch statistics, and every layer keeps the losses
-    it adds per replica. (The lists bypass Keras' attribute tracking.)
-    """
-    layers = keras_private.flatten_layers(model)
-    saved = [keras_private.swap_added_losses(layer, _PerReplicaLosses()) for layer in layers]
-    for layer in bn_layers:
-        layer.call = _synchronized_call(layer, type(layer).call.__get__(layer))
-    try:
-        yield
-    finally:
-        for layer in bn_layers:
-            del layer.call
-        for layer, losses in zip(layers, saved):
-            # The replicas' losses, in replica order, as a plain call leaves them.
-            losses.extend(keras_private.swap_added_losses(layer, losses).all())
-
-
 def cross_replica_sum(value, by_rows=False):
     """`value` summed over the replicas of a synchronised run (not differentiated).
 
@@ -322,6 +163,11 @@ def cross_replica_sum(value, by_rows=False):
     if rendezvous is None:
         return value
     return tf.add_n(rendezvous.all_gather(tf.stop_gradient(value), "a loss total"))
+
+
+def rendezvous():
+    """The meeting place of the synchronised run this thread traces a replica of; None outside one."""
+    return getattr(_local, "sync", None)
 
 
 def valid():

@@ -8,28 +8,23 @@ calls, the first compiled step), idle replicas are simply not run. When B is
 only known at run time (a compiled step retraced for a smaller last batch, or
 measured proportions), every replica is traced; a replica whose shard is
 empty computes on one borrowed row and gets weight zero, so no device ever
-sees an empty tensor and nothing it computes reaches the result. Gradients are summed, and per-output loss trackers
-record the sum of the replicas' parts of the loss once per batch.
+sees an empty tensor and nothing it computes reaches the result. Gradients are summed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Any, NamedTuple
 
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
-from kerasmulti._src import keras_private
 
 
 class Shard(NamedTuple):
     begin: Any  # first row taken (int or scalar tensor)
-    take: Any  # rows taken, >= 1
-    size: Any  # rows that count; 0 for an idle replica
+    sliced: Any  # rows sliced, >= 1 (an idle replica borrows one)
+    counted: Any  # rows that count; 0 for an idle replica
 
 
 def _first_dims(structure) -> list:
@@ -140,12 +135,12 @@ def take(structure, shard: Shard):
             return None
         if isinstance(t, tf.SparseTensor):  # not sliceable with []
             start = tf.concat([[tf.cast(shard.begin, tf.int64)], tf.zeros_like(t.dense_shape[1:])], 0)
-            size = tf.concat([[tf.cast(shard.take, tf.int64)], t.dense_shape[1:]], 0)
+            size = tf.concat([[tf.cast(shard.sliced, tf.int64)], t.dense_shape[1:]], 0)
             return tf.sparse.slice(t, start, size)
-        piece = t[shard.begin : shard.begin + shard.take]
+        piece = t[shard.begin : shard.begin + shard.sliced]
         mask = get_keras_mask(t)
         if mask is not None:
-            set_keras_mask(piece, mask[shard.begin : shard.begin + shard.take])
+            set_keras_mask(piece, mask[shard.begin : shard.begin + shard.sliced])
         return piece
 
     return tree.map_structure(rows, structure)
@@ -154,7 +149,7 @@ def take(structure, shard: Shard):
 def shares(shards: list[Shard], batch) -> list:
     """Each shard's share of the batch, as float32 scalars summing to 1."""
     total = tf.cast(batch, tf.float32)
-    return [tf.cast(s.size, tf.float32) / total for s in shards]
+    return [tf.cast(s.counted, tf.float32) / total for s in shards]
 
 
 def merge(outputs: list, shards: list[Shard]):
@@ -203,8 +198,8 @@ def _check_rows(t, rows) -> None:
 
 def _concat(pieces, shards):
     for t, s in zip(pieces, shards):
-        _check_rows(t, s.take)
-    trimmed = [t if isinstance(s.size, int) else t[: s.size] for t, s in zip(pieces, shards)]
+        _check_rows(t, s.sliced)
+    trimmed = [t if isinstance(s.counted, int) else t[: s.counted] for t, s in zip(pieces, shards)]
     return tf.concat(trimmed, axis=0)
 
 
@@ -216,69 +211,3 @@ def sum_gradients(gradients):
         if g is not None
     ]
     return tf.add_n(present) if present else None
-
-
-class DeferredLossMetrics:
-    """The per-output loss values each replica recorded in one step."""
-
-    def __init__(self, metrics):
-        self.metrics = metrics
-        self._recorded = {id(m): {} for m in metrics}
-        self._lock = threading.Lock()
-
-    def record(self, metric, values, replica):
-        with self._lock:
-            self._recorded[id(metric)][replica] = values
-
-    def of_replica(self, replica) -> dict:
-        """What `replica` recorded, by the metric's index (for a compiled replica to return)."""
-        return {k: self._recorded[id(m)][replica] for k, m in enumerate(self.metrics) if replica in self._recorded[id(m)]}
-
-    def put(self, replica, recorded: dict) -> None:
-        """Replaces what `replica` recorded, e.g. by a compiled replica's outputs."""
-        for k, values in recorded.items():
-            self.record(self.metrics[int(k)], values, replica)
-
-    def flush(self, batch, shards):
-        """Applies the sum of the replicas' parts once, as one device would."""
-        for metric in self.metrics:
-            values = self._recorded[id(metric)]
-            if not values:
-                continue
-            parts = [tf.cast(values[i], tf.float32) for i in sorted(values)]
-            if parts[0].shape.rank:
-                # reduction=None: a loss per row, merged like outputs.
-                type(metric).update_state(metric, merge(parts, shards))
-                continue
-            type(metric).update_state(
-                metric, tf.add_n(parts), sample_weight=batch if isinstance(batch, int) else None
-            )
-
-
-@contextlib.contextmanager
-def deferred_loss_metrics(model):
-    """Per-output loss trackers record the batch's loss once, not per replica.
-
-    Keras' `CompileLoss` updates one Mean per output each time it is called;
-    called per shard it would average the shards' values unweighted. Inside
-    this context the updates are collected per replica (each is the replica's
-    part of the batch's loss, see `_losses`), and the `DeferredLossMetrics`
-    it yields applies their sum once (`flush`; per-row values: merged), as
-    one device would.
-    """
-    compile_loss = keras_private.compiled_loss(model)
-    deferred = DeferredLossMetrics(list(getattr(compile_loss, "metrics", None) or []))
-
-    def recorder(metric):
-        def update_state(values, sample_weight=None):
-            deferred.record(metric, values, _replicas.replica_id())
-
-        return update_state
-
-    for metric in deferred.metrics:
-        metric.update_state = recorder(metric)
-    try:
-        yield deferred
-    finally:
-        for metric in deferred.metrics:
-            del metric.update_state

@@ -14,7 +14,7 @@ Its config (`get_config`) names the wrapped layer so that wrappers sharing
 one layer share it again within one load. `model.save` of a functional or
 Sequential model writes no `OnDevice` config at all (see `_portable`); this
 form serves models Keras rebuilds from their own code, `get_config` and
-`clone_model`, and files saved by kerasmulti 0.1.
+`clone_model`.
 """
 
 from __future__ import annotations
@@ -158,9 +158,8 @@ def _shared_layer(layer_config, layer_id):
 
     Within one load (Keras' object-sharing map exists then) wrappers with
     the same `layer_id` get the same layer; the first of them in the file
-    holds its config. Files from kerasmulti 0.1 hold the config in every
-    wrapper and number layers by their memory address; wrappers with no
-    number are matched by layer name.
+    holds its config. A config made outside a save (`get_config`, cloning)
+    has no number: its wrappers are matched by layer name.
     """
     loaded = global_state.get_global_attribute("shared_objects/id_to_obj_map")
     if layer_id is None and layer_config is not None:

@@ -60,8 +60,6 @@ from kerasmulti._src import keras_private
 class WorkerModel(ParallelModel):
     """A parallel model whose replicas are all workers' devices; built by `parallelize`."""
 
-    _runs_replicas = False  # the strategy runs the replicas
-
     def __init__(self, template, strategy):
         self._strategy = strategy
         devices = list(strategy.extended.worker_devices)
@@ -97,6 +95,12 @@ class WorkerModel(ParallelModel):
                 for metric in tree.flatten(kwargs.get(name)):
                     if isinstance(metric, keras.metrics.Metric):
                         _adopt_variables(metric.variables)
+
+    def _compiles_replicas(self, jit_compile) -> bool:
+        return False  # the strategy runs the replicas
+
+    def _fed(self, feed, arguments: dict) -> dict:
+        return arguments  # the strategy distributes the inputs (`fit` prepares them)
 
     def _resolve_auto_jit_compile(self):
         # XLA would compile the step around the strategy's collectives, a

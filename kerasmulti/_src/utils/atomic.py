@@ -86,10 +86,10 @@ def remove_stale_temporaries(target: str) -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(glob.escape(folder), f".*{_MARK}*")):
         name = os.path.basename(path)
-        # <pid>@<host>-<8 hex><suffix>; without @<host>: an older temporary, this host's.
+        # <pid>@<host>-<8 hex><suffix>
         writer = name.split(_MARK, 1)[1].removesuffix(_suffix(name)).rpartition("-")[0]
         pid, _, host = writer.partition("@")
-        if host not in ("", socket.gethostname()) or not pid.isdigit():
+        if host != socket.gethostname() or not pid.isdigit():
             continue  # another machine's: whether its writer runs is unknown here
         if int(pid) != os.getpid() and not _alive(int(pid)):
             try:

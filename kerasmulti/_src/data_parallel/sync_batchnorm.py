@@ -1,0 +1,121 @@
+"""Synchronised BatchNormalization: replicas normalise with the whole batch's statistics.
+
+At every BatchNormalization call the replicas sum per channel their row counts
+and sums (for the mean), then their squared deviations from it (for the
+variance), exactly as one device would compute them. The sums are
+differentiable all-reduces, so gradients flowing through the statistics reach
+every replica. Only replica 0 updates the moving statistics, once per step.
+The cost is two small all-reduces per BatchNormalization layer forward and two
+backward per step, and a synchronisation point at each: replicas wait for the
+slowest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+from keras import layers, ops
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import replicas as _replicas
+
+
+def batchnorm_layers(model) -> list:
+    return [
+        layer
+        for layer in keras_private.flatten_layers(model, include_self=False)
+        if isinstance(layer, layers.BatchNormalization)
+    ]
+
+
+@contextlib.contextmanager
+def synchronized(bn_layers: list):
+    """Inside: `bn_layers` normalise with whole-batch statistics in a synchronised run."""
+    for layer in bn_layers:
+        layer.call = _synchronized_call(layer, type(layer).call.__get__(layer))
+    try:
+        yield
+    finally:
+        for layer in bn_layers:
+            del layer.call
+
+
+def _synchronized_call(layer, original):
+    """A BatchNormalization `call` that normalises with whole-batch statistics."""
+
+    def call(inputs, training=None, mask=None):
+        rendezvous = _replicas.rendezvous()
+        if rendezvous is None or not (training and layer.trainable):
+            return original(inputs, training=training, mask=mask)
+        x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
+        axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
+        valid = ops.cast(_replicas.valid(), x.dtype)
+        # As Keras' _moments: masked elements are left out (`where`, so that
+        # whatever they hold cannot reach the sums), and a masked count gets
+        # epsilon, so a wholly masked batch gives zeros, not NaN.
+        if mask is None:
+            kept, epsilon = None, 0.0
+        else:
+            kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
+            epsilon = keras.backend.epsilon()
+
+        def masked(values):
+            return values if kept is None else ops.where(kept, values, 0)
+
+        w = masked(ops.ones_like(x))
+        totals = _all_reduce_sum(
+            rendezvous,
+            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(masked(x), axes)]) * valid,
+        )
+        count = totals[0] + epsilon
+        global_mean = totals[1] / count
+        deviations = ops.sum(masked(ops.square(x - _expand(global_mean, x, axes))), axes)
+        variance = _all_reduce_sum(rendezvous, deviations * valid) / count
+        if _replicas.replica_id() == 0:
+            momentum = layer.momentum
+            layer.moving_mean.assign(
+                ops.cast(layer.moving_mean, x.dtype) * momentum
+                + global_mean * (1.0 - momentum)
+            )
+            layer.moving_variance.assign(
+                ops.cast(layer.moving_variance, x.dtype) * momentum
+                + variance * (1.0 - momentum)
+            )
+        outputs = ops.batch_normalization(
+            x=x,
+            mean=global_mean,
+            variance=variance,
+            axis=layer.axis,
+            offset=ops.cast(layer.beta, x.dtype) if layer.center else None,
+            scale=ops.cast(layer.gamma, x.dtype) if layer.scale else None,
+            epsilon=layer.epsilon,
+        )
+        return ops.cast(outputs, layer.compute_dtype)
+
+    return call
+
+
+def _all_reduce_sum(rendezvous, value):
+    """Sum over replicas, differentiable: its gradient is the sum of upstreams.
+
+    Replica j's loss depends on replica i's activations through the shared
+    statistics; summing the upstream gradients carries those cross terms back
+    to every replica, as `tf.distribute`'s all-reduce does.
+    """
+
+    @tf.custom_gradient
+    def reduce(local):
+        def grad(upstream):
+            return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
+
+        return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
+
+    return reduce(value)
+
+
+def _expand(stat, x, axes):
+    for axis in sorted(a % len(x.shape) for a in axes):
+        stat = ops.expand_dims(stat, axis)
+    return stat
