@@ -24,12 +24,12 @@ too). It holds:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 import traceback
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
@@ -38,10 +38,11 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
 import kerasmulti  # noqa: E402
 from kerasmulti._src.inference import sources as _sources  # noqa: E402
 from kerasmulti._src.utils.machine_load import LoadMeter  # noqa: E402,F401  (bench_multi_worker imports it from here)
-import tensorflow as tf  # noqa: E402
 
 # ------------------------------------------------------------------- devices
 

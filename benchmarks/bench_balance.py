@@ -26,11 +26,11 @@ Usage:
 
 from __future__ import annotations
 
+from _common import check, make_parser, median, print_environment, run_reporting, timed_rounds
+
 import os
 import sys
 import time
-
-from _common import check, make_parser, median, print_environment, run_reporting, timed_rounds
 
 import kerasmulti  # noqa: E402
 

@@ -38,20 +38,34 @@ Usage:
 
 from __future__ import annotations
 
+# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
+from _common import (
+    Sizes,
+    TrainPredictVariant,
+    build_variants,
+    check,
+    configure_devices,
+    make_parser,
+    median,
+    print_environment,
+    print_train_predict_table,
+    run_once,
+    run_reporting,
+    scaled,
+    timed_rounds,
+    warn_missing_devices,
+)
+
 import argparse
 import contextlib
 import time
 
-# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import check, configure_devices, make_parser, median, print_environment, print_train_predict_table
-from _common import Sizes, TrainPredictVariant, build_variants, run_reporting, scaled, timed_rounds
-from _common import run_once, warn_missing_devices
-
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
-import kerasmulti  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import kerasmulti  # noqa: E402
 
 SEED = 1234
 INPUT_SHAPE = (32, 32, 3)

@@ -33,18 +33,33 @@ Usage:
 
 from __future__ import annotations
 
+# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
+from _common import (
+    Sizes,
+    TrainPredictVariant,
+    build_variants,
+    check,
+    configure_devices,
+    fmt,
+    make_parser,
+    median,
+    print_environment,
+    print_train_predict_table,
+    run_once,
+    run_reporting,
+    scaled,
+    timed_rounds,
+    warn_missing_devices,
+)
+
 import contextlib
 import time
 
-# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import Sizes, TrainPredictVariant, check, configure_devices, fmt, make_parser, median
-from _common import build_variants, print_environment, print_train_predict_table, run_once
-from _common import run_reporting, scaled, timed_rounds, warn_missing_devices
-
 import keras  # noqa: E402
-import kerasmulti  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import kerasmulti  # noqa: E402
 
 SEED = 1234
 _STRATEGIES = {}

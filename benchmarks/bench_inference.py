@@ -57,6 +57,24 @@ Usage:
 
 from __future__ import annotations
 
+# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
+from _common import (
+    check,
+    configure_devices,
+    dataset,
+    error_summary,
+    fmt,
+    make_parser,
+    median,
+    print_environment,
+    ratio,
+    record_failure,
+    run_reporting,
+    scaled,
+    timed_rounds,
+    warn_missing_devices,
+)
+
 import argparse
 import os
 import subprocess
@@ -67,17 +85,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import check, configure_devices, error_summary, fmt, make_parser, median
-from _common import print_environment, ratio, record_failure, run_reporting, scaled
-from _common import dataset, timed_rounds, warn_missing_devices
-
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import h5py  # noqa: E402
 import keras  # noqa: E402
-import kerasmulti  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import kerasmulti  # noqa: E402
 
 SEED = 1234
 INPUT_SHAPE = (32, 32, 3)
@@ -321,7 +335,7 @@ def run_child(case: MemoryCase, stem: str, rows: int, n: int, batch_size: int, f
     ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RSS_KIB ")]
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RSS_KIB ")]
         if done.returncode != 0 or not lines:
             tail = (done.stderr.strip().splitlines() or ["(no stderr)"])[-1]
             raise RuntimeError(f"child exited {done.returncode}: {tail[:200]}")

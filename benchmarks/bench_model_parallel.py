@@ -49,20 +49,35 @@ Usage:
 
 from __future__ import annotations
 
+# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
+from _common import (
+    Sizes,
+    TrainPredictVariant,
+    check,
+    configure_devices,
+    error_summary,
+    make_parser,
+    median,
+    print_environment,
+    print_train_predict_table,
+    record_failure,
+    run_once,
+    run_reporting,
+    scaled,
+    timed_rounds,
+    warn_missing_devices,
+)
+
 import argparse
 import contextlib
 from collections import Counter
 
-# First: _common sets TensorFlow's environment defaults before TensorFlow loads.
-from _common import check, configure_devices, error_summary, make_parser, median, print_train_predict_table
-from _common import print_environment, record_failure, run_reporting, scaled
-from _common import Sizes, TrainPredictVariant, run_once, timed_rounds, warn_missing_devices
-
 # Importing these does not initialise TensorFlow's devices; creating a tensor does.
 import keras  # noqa: E402
-import kerasmulti  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import kerasmulti  # noqa: E402
 
 SEED = 1234
 INPUT_SHAPE = (32, 32, 3)
@@ -114,7 +129,7 @@ def _inner(layer):
 
 
 def _weights_by_layer(model: keras.Model) -> dict[str, list[np.ndarray]]:
-    return {_inner(l).name: _inner(l).get_weights() for l in model.layers if l.weights}
+    return {_inner(layer).name: _inner(layer).get_weights() for layer in model.layers if layer.weights}
 
 
 def copy_weights(source: keras.Model, target: keras.Model) -> None:

@@ -67,8 +67,9 @@ if "--worker-of" not in sys.argv:
     from _common import LoadMeter, check, error_summary, fmt, median, ratio, run_reporting, scaled
 
     import keras  # noqa: E402
-    import kerasmulti  # noqa: E402
     import tensorflow as tf  # noqa: E402
+
+    import kerasmulti  # noqa: E402
     from kerasmulti._src.multi_worker.supervisor import run_workers  # noqa: E402
 
 TARGET = 1.6  # N workers vs 1, for N = 2 (the issue's goal)
@@ -115,11 +116,11 @@ def worker_main(args: argparse.Namespace) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
     # After the threading: joining the cluster configures TensorFlow, which
     # then keeps its settings; before any model, as a user's script does.
-    import kerasmulti
     import keras
     import numpy as np
-
     from bench_data_parallel import build_model, compile_model, make_data
+
+    import kerasmulti
 
     class Timer(keras.callbacks.Callback):
         """Wall time of every epoch and of every step in it."""

@@ -1,5 +1,7 @@
 """Device listing, simulation and every refusal of a bad device request."""
 
+from simulated import DEVICES
+
 import os
 import subprocess
 import sys
@@ -9,7 +11,6 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from simulated import DEVICES
 
 CPUS = [f"/device:CPU:{i}" for i in range(DEVICES)]
 

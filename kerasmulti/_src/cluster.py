@@ -217,7 +217,8 @@ def join_timeout() -> float:
 
 
 def _join(timeout_s: float):
-    from kerasmulti._src.keras_private import coordination_config_pb2, eager_context as context, multi_worker_util
+    from kerasmulti._src.keras_private import coordination_config_pb2, multi_worker_util
+    from kerasmulti._src.keras_private import eager_context as context
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()

@@ -28,46 +28,44 @@ import sys
 
 import keras
 
-
 # Builds a model's variables (and Keras' compiled loss) symbolically, as
 # Keras does before a step under a distribution strategy (`_symbolic_build`).
 # Public `Layer.compute_output_spec` calls `call` directly and skips Keras'
 # own argument handling (`training=` on models whose call does not take it).
 from keras.src.backend import compute_output_spec
 
-# A tensor's Keras mask travels as an attribute the public API neither reads
-# nor writes; replica outputs are merged with theirs.
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-
 # Whether a layer call is in progress (Keras' call context): a loss computed
 # inside a layer (add_loss) is not a replica's part of the batch's loss.
 from keras.src.backend.common import global_state
+
+# A tensor's Keras mask travels as an attribute the public API neither reads
+# nor writes; replica outputs are merged with theirs.
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
 # loss reduces through, so a replica's share of the batch's loss is patched in
 # there (`_losses.py`); the other helpers are the ones that function uses.
 from keras.src.losses import loss as loss_module
 
-# Keras' own test of whether a model can run under XLA (`jit_compile="auto"`).
-from keras.src.trainers.trainer import model_supports_jit
-
-# Keras' array pipeline (batches, shuffling, class weights, validation split)
-# with tf.data autotuning off (`_feeding.py`); `fit` builds it only internally.
-from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
-
-# Keras' shared-object bookkeeping of one save or load (OnDevice writes a
-# layer wrapped several times once) also lives in `global_state`.
-
-# Keras' saving entry points: `model.save` / `load_model` / `load_weights`
-# all go through them, so a placed model is written as a plain one there
-# (`_portable.py`); Keras has no public hook around saving.
-from keras.src.saving import saving_lib
-
 # A functional model's graph, read node by node (`_rebuild.py`,
 # `_summary.py`): Keras exposes no public node API; the key says whether a
 # layer's call belongs to this model.
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
+
+# Keras' shared-object bookkeeping of one save or load (OnDevice writes a
+# layer wrapped several times once) also lives in `global_state`.
+# Keras' saving entry points: `model.save` / `load_model` / `load_weights`
+# all go through them, so a placed model is written as a plain one there
+# (`_portable.py`); Keras has no public hook around saving.
+from keras.src.saving import saving_lib
+
+# Keras' array pipeline (batches, shuffling, class weights, validation split)
+# with tf.data autotuning off (`_feeding.py`); `fit` builds it only internally.
+from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
+
+# Keras' own test of whether a model can run under XLA (`jit_compile="auto"`).
+from keras.src.trainers.trainer import model_supports_jit
 
 # Not imports but private attributes of a Keras optimizer: multi-worker
 # gradient accumulation (`_accumulation.py`) re-runs Keras' accumulating
@@ -97,16 +95,16 @@ LOSS_SCALE_ATTRIBUTES = ("inner_optimizer", "dynamic_scale", "step_counter", "dy
 # Joining a cluster with a deadline (`_cluster._join`): the coordination
 # service is what MultiWorkerMirroredStrategy configures itself, but without
 # `cluster_register_timeout_in_ms` a missing worker blocks for an hour.
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-from tensorflow.python.distribute import multi_worker_util
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # noqa: E402
+from tensorflow.python.distribute import multi_worker_util  # noqa: E402
 
 # TensorFlow's runtime context: whether it started (a forked launch cannot use
 # it then) and its coordination service. No public name tells either.
-from tensorflow.python.eager import context as eager_context
+from tensorflow.python.eager import context as eager_context  # noqa: E402
 
 # Whether a GradientTape is recording: a user's tape cannot see replicas that
 # run on threads of their own. TensorFlow has no public way to ask.
-from tensorflow.python.eager import record
+from tensorflow.python.eager import record  # noqa: E402
 
 # Private methods of Keras classes that kerasmulti's subclasses override, by
 # the class that defines them. `Trainer._resolve_auto_jit_compile`: a

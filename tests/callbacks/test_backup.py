@@ -6,17 +6,17 @@ The kill-and-resume tests are in test_callbacks.py, beside the worker they share
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
 import json
-import re
 import os
+import re
 from unittest import mock
 
 import keras
 import numpy as np
 import pytest
 from keras.src.callbacks import backup_and_restore_test as keras_tests
+from test_callbacks import _setup
 
 import kerasmulti
-from test_callbacks import _setup
 
 FILES = ["latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json", "training_metadata.json.bkp"]
 

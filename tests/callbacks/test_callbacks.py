@@ -1,5 +1,7 @@
 """ParallelModelCheckpoint and ParallelBackupAndRestore on parallel models."""
 
+from simulated import DEVICES
+
 import glob
 import inspect
 import os
@@ -17,7 +19,6 @@ import pytest
 
 import kerasmulti
 from kerasmulti._src.utils import fault_points as _fault_points
-from simulated import DEVICES
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "train_checkpointed.py")
 

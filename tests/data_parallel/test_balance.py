@@ -6,6 +6,8 @@ logs, weights and predictions on one device. The monitor's figures and
 "auto"'s proportions are checked on devices slowed by a known factor.
 """
 
+from simulated import DEVICES
+
 import glob
 import math
 
@@ -13,13 +15,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from cases import CASES, assert_same_logs, assert_same_weights, worker_model
+from workers.slow_device import SlowDevice
 
 import kerasmulti
-from cases import CASES, assert_same_logs, assert_same_weights, worker_model
-from simulated import DEVICES
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import split as _split
-from workers.slow_device import SlowDevice
 
 SAMPLES = 10
 

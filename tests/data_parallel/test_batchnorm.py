@@ -1,5 +1,7 @@
 """BatchNormalization: whole-batch statistics, moving averages updated once per step."""
 
+from simulated import DEVICES
+
 import time
 
 import keras
@@ -8,7 +10,6 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
-from simulated import DEVICES
 
 
 def _bn_model(momentum=0.5):

@@ -8,6 +8,8 @@ against a reference computed by hand on one device; every replica draws its
 own Dropout masks; and when XLA is refused or stays off.
 """
 
+from simulated import DEVICES
+
 import re
 
 import keras
@@ -17,7 +19,6 @@ import tensorflow as tf
 
 import kerasmulti
 from kerasmulti._src.data_parallel import compiled as _compiled
-from simulated import DEVICES
 
 
 def _conv():

@@ -7,6 +7,8 @@ BatchNormalization under XLA normalises per replica, which
 `test_compiled.py` checks against its own reference.
 """
 
+from simulated import DEVICES
+
 import os
 import zlib
 
@@ -14,10 +16,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from cases import CASES, assert_same_logs, assert_same_weights
 
 import kerasmulti
-from cases import CASES, assert_same_logs, assert_same_weights
-from simulated import DEVICES
 
 BATCH_SIZES = [1, DEVICES - 1, DEVICES, 4]
 SAMPLES = 10

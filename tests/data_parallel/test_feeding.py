@@ -7,6 +7,8 @@ place of the arrays. The numbers are the template's on one device
 validation split, validation arrays and their own batch size.
 """
 
+from simulated import DEVICES
+
 import functools
 import warnings
 
@@ -14,12 +16,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from cases import assert_same_logs, assert_same_weights
 from keras.src.trainers.data_adapters import array_data_adapter
 
 import kerasmulti
 from kerasmulti._src.data_parallel import feeding as _feeding
-from cases import assert_same_logs, assert_same_weights
-from simulated import DEVICES
 
 
 def _model(seed=3):

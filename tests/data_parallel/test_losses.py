@@ -9,13 +9,14 @@ compared with the template on one device, on fresh random data, with uneven
 sub-batches and a remainder batch (10 samples in batches of 4 over 3 devices).
 """
 
+from simulated import DEVICES
+
 import keras
 import numpy as np
 import pytest
+from cases import assert_same_logs, assert_same_weights
 
 import kerasmulti
-from cases import assert_same_logs, assert_same_weights
-from simulated import DEVICES
 
 SAMPLES, STEPS = 10, 5
 

@@ -1,5 +1,7 @@
 """Saving a parallel model saves the template, loadable without kerasmulti."""
 
+from simulated import DEVICES
+
 import os
 import subprocess
 import sys
@@ -9,7 +11,6 @@ import numpy as np
 import pytest
 
 import kerasmulti
-from simulated import DEVICES
 
 LOAD_WITHOUT_KERASMULTI = """
 import sys, numpy as np, keras

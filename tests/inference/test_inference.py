@@ -1,5 +1,7 @@
 """parallel_predict: equal to model.predict row for row, streamed, resumable."""
 
+from simulated import DEVICES
+
 import io
 import os
 import random
@@ -18,7 +20,6 @@ import tensorflow as tf
 
 import kerasmulti
 from kerasmulti._src.utils import fault_points as _fault_points
-from simulated import DEVICES
 
 WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "predict_to_file.py")
 

@@ -8,11 +8,11 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+from test_inference import _data
+from test_inference import _two_outputs as _model
 
 import kerasmulti
 from kerasmulti._src.inference import output_file as _output_file
-from test_inference import _data
-from test_inference import _two_outputs as _model
 
 
 def _assert_file_holds(path, model, x):

@@ -6,14 +6,14 @@ graph is read: each replica's ops carry that replica's device, and the
 compute ops (MatMul, Conv2D and their gradients) are spread over all devices.
 """
 
+from simulated import DEVICES
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import kerasmulti
-from simulated import DEVICES
-
 
 # A variable read runs where the variable lives (TensorFlow colocates it), and
 # a captured variable handle is a placeholder: neither is a replica's compute.

@@ -5,13 +5,14 @@ every k-th; the parallel model hands it the one-device gradient of each step,
 so the weights equal one device's, remainder batches included.
 """
 
+from simulated import DEVICES
+
 import keras
 import numpy as np
 import pytest
+from cases import assert_same_weights, worker_model
 
 import kerasmulti
-from cases import assert_same_weights, worker_model
-from simulated import DEVICES
 
 
 def _model(batchnorm):

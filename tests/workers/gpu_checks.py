@@ -25,8 +25,9 @@ import tensorflow as tf  # noqa: E402
 GPU = tf.config.list_physical_devices("GPU")[0]
 tf.config.set_logical_device_configuration(GPU, [tf.config.LogicalDeviceConfiguration(memory_limit=2048)] * 2)
 import keras  # noqa: E402
-import kerasmulti  # noqa: E402
 import numpy as np  # noqa: E402
+
+import kerasmulti  # noqa: E402
 
 rng = np.random.default_rng()
 

@@ -22,10 +22,10 @@ import json
 import os
 import sys
 
-import kerasmulti  # first: joins the cluster before TensorFlow runs anything
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
 
 out = sys.argv[1]
 reference = "--reference" in sys.argv

@@ -20,12 +20,12 @@ import json
 import os
 import sys
 
-import kerasmulti  # first: joins the cluster before TensorFlow runs anything
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from seen import Seen  # noqa: E402
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
 
 out = sys.argv[1]
 reference = "--reference" in sys.argv

@@ -14,11 +14,11 @@ import json
 import os
 import sys
 
-import kerasmulti  # first: joins the cluster before TensorFlow runs anything
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from slow_device import SlowDevice  # noqa: E402
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
 
 out = sys.argv[1]
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]

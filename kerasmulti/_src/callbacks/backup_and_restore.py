@@ -21,11 +21,11 @@ import warnings
 import h5py
 import keras
 
-from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src import cluster as _cluster
-from kerasmulti._src.utils import fault_points as _fault_points
-from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
 from kerasmulti._src import keras_private
+from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
+from kerasmulti._src.utils import atomic as _atomic
+from kerasmulti._src.utils import fault_points as _fault_points
 
 _METADATA = "kerasmulti_training_metadata"
 

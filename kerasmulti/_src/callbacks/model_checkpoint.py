@@ -17,11 +17,11 @@ import os
 
 import keras
 
-from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src import cluster as _cluster
-from kerasmulti._src.utils import fault_points as _fault_points
-from kerasmulti._src.data_parallel.parallel_model import unwrap
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src.utils import atomic as _atomic
+from kerasmulti._src.utils import fault_points as _fault_points
 
 
 class _TemplateFirst(type):

@@ -17,11 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kerasmulti._src.inference import sources as _sources
 from kerasmulti._src.data_parallel import split as _split
-from kerasmulti._src.utils.machine_load import LoadMeter
+from kerasmulti._src.inference import sources as _sources
 from kerasmulti._src.parallelize import parallelize
-
+from kerasmulti._src.utils.machine_load import LoadMeter
 
 # Other processes' load above which the throughput is said to be unreliable.
 BUSY_CORES = 0.25

@@ -38,12 +38,12 @@ import keras
 import tensorflow as tf
 from keras import tree
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import replicas as _replicas
-from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.keras_private import get_keras_mask, model_supports_jit, set_keras_mask
-from kerasmulti._src import keras_private
 
 
 def synchronized_batchnorm(template) -> list:

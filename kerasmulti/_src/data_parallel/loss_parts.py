@@ -29,8 +29,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from kerasmulti._src.keras_private import global_state, loss_module
 from kerasmulti._src import keras_private
+from kerasmulti._src.keras_private import global_state, loss_module
 
 _local = threading.local()
 _original = loss_module.reduce_weighted_values

@@ -24,6 +24,7 @@ import warnings
 import keras
 import tensorflow as tf
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import feeding as _feeding
@@ -36,7 +37,6 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
-from kerasmulti._src import keras_private
 
 
 class ParallelModel(_persistence.TemplatePersistence, keras.Model):

@@ -12,11 +12,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src import devices as _devices
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
-from kerasmulti._src import keras_private
 
 
 def _refuse_unsplittable(model) -> None:

@@ -17,8 +17,8 @@ import threading
 import keras
 
 from kerasmulti._src import keras_private
-from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.devices import resolve_device
+from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.model_parallel.on_device import OnDevice
 
 _original_call = keras.layers.Layer.__call__

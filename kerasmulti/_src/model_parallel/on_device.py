@@ -25,9 +25,9 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kerasmulti._src.model_parallel import scopes as _scopes
-from kerasmulti._src.keras_private import get_keras_mask, global_state, set_keras_mask
 from kerasmulti._src.devices import _canonical, known_devices
+from kerasmulti._src.keras_private import get_keras_mask, global_state, set_keras_mask
+from kerasmulti._src.model_parallel import scopes as _scopes
 
 _warned: set[str] = set()
 # Keys of the entries OnDevice adds to Keras' object-sharing maps; Keras' own

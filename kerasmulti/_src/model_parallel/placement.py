@@ -13,10 +13,10 @@ from collections.abc import Mapping
 import keras
 import tensorflow as tf
 
-from kerasmulti._src.inference import parallel_predict as _parallel_predict
-from kerasmulti._src.devices import _canonical, resolve_device
-from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src import keras_private
+from kerasmulti._src.devices import _canonical, resolve_device
+from kerasmulti._src.inference import parallel_predict as _parallel_predict
+from kerasmulti._src.model_parallel.on_device import OnDevice
 
 
 def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:

@@ -33,12 +33,12 @@ import zipfile
 
 import keras
 
-from kerasmulti._src.model_parallel import scopes as _scopes
-from kerasmulti._src.keras_private import saving_lib
-from kerasmulti._src.model_parallel.on_device import OnDevice
-from kerasmulti._src.data_parallel.parallel_model import unwrap
-from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src.keras_private import saving_lib
+from kerasmulti._src.model_parallel import scopes as _scopes
+from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
 
 RECORD = "kerasmulti_devices"
 _original_save = saving_lib.save_model

@@ -18,8 +18,8 @@ from typing import Callable
 
 import keras
 
-from kerasmulti._src.keras_private import Functional, make_node_key
 from kerasmulti._src import keras_private
+from kerasmulti._src.keras_private import Functional, make_node_key
 
 # Only these classes are rebuilt: a subclass would lose its own methods, and
 # a subclassed model builds its graph in its own code.
@@ -32,7 +32,8 @@ def own_calls(model: keras.Model, layer) -> list:
     This is the order of the layer's `inbound_nodes` in `model`'s config. A
     layer also called in another model has nodes there too.
     """
-    return [node for i, node in enumerate(keras_private.inbound_nodes(layer)) if make_node_key(layer, i) in keras_private.graph_node_keys(model)]
+    keys = keras_private.graph_node_keys(model)
+    return [node for i, node in enumerate(keras_private.inbound_nodes(layer)) if make_node_key(layer, i) in keys]
 
 
 def rebuilt(model: keras.Model, choose: Callable) -> keras.Model:

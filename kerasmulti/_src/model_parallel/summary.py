@@ -6,9 +6,9 @@ import math
 
 import keras
 
-from kerasmulti._src.model_parallel.on_device import OnDevice
-from kerasmulti._src.keras_private import make_node_key
 from kerasmulti._src import keras_private
+from kerasmulti._src.keras_private import make_node_key
+from kerasmulti._src.model_parallel.on_device import OnDevice
 
 
 class PlacementSummary:

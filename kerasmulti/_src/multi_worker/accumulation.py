@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
+
 from kerasmulti._src import keras_private
 
 

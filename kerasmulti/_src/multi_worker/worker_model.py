@@ -46,15 +46,15 @@ import keras
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti._src.multi_worker import accumulation as _accumulation
-from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src import cluster as _cluster
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
-from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
-from kerasmulti._src import keras_private
+from kerasmulti._src.multi_worker import accumulation as _accumulation
+from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 
 
 class WorkerModel(ParallelModel):
