@@ -34,13 +34,11 @@ import tensorflow as tf
 
 from kerasmulti._src import startup
 
-ENV_CONFIG = "TF_CONFIG"
+ENV_CONFIG = startup.ENV_CONFIG
 ENV_JOIN = startup.ENV_JOIN
 ENV_JOIN_TIMEOUT = "KERASMULTI_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT_S = 600.0
-# sysexits' EX_TEMPFAIL, "try again": a launched worker whose port another
-# process took exits with it, and its launcher starts the cluster again.
-EXIT_PORT_TAKEN = 75
+EXIT_PORT_TAKEN = startup.EXIT_PORT_TAKEN
 
 _strategy = None
 _start_error: Exception | None = None

@@ -9,16 +9,15 @@ before any model, tensor or device query exists.
 
 from __future__ import annotations
 
-import numbers
 import os
 import warnings
 from typing import Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import startup
+from kerasmulti._src.utils.arguments import is_int, is_positive_int
 
 ENV_SIMULATE = startup.ENV_SIMULATE
 
@@ -40,16 +39,6 @@ class DeviceError(ValueError):
         print(error)
     ```
     """
-
-
-def _is_int(value) -> bool:
-    """True for ints, numpy's included; False for bools."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def is_positive_int(value) -> bool:
-    """True for an int of at least 1; False for bools, floats and anything else."""
-    return _is_int(value) and value >= 1
 
 
 def _canonical(name: str) -> str:
@@ -226,12 +215,12 @@ def resolve_devices(
         return _resolve_names(devices, caller)
     if gpus is None:
         return existing
-    if not (_is_int(gpus) or isinstance(gpus, (list, tuple))):
+    if not (is_int(gpus) or isinstance(gpus, (list, tuple))):
         raise DeviceError(
             f"{caller} expects gpus as a positive int, a list of device ids such as [0, 1], or "
             f"None for all {_count_and_names(existing)} devices. Received: gpus={gpus!r}"
         )
-    if _is_int(gpus):
+    if is_int(gpus):
         gpus = int(gpus)
         if gpus < 1:
             raise DeviceError(
@@ -241,7 +230,7 @@ def resolve_devices(
         _check_count(caller, gpus, existing)
         return existing[:gpus]
     ids = list(gpus)
-    if not ids or not all(_is_int(i) for i in ids):
+    if not ids or not all(is_int(i) for i in ids):
         raise DeviceError(
             f"{caller} expects gpus as a non-empty list of int device ids, "
             f"e.g. [0, 1]; this machine has {_count_and_names(existing)}. "

@@ -16,6 +16,11 @@ import sys
 
 ENV_SIMULATE = "KERASMULTI_SIMULATE_DEVICES"
 ENV_JOIN = "KERASMULTI_JOIN"
+ENV_CONFIG = "TF_CONFIG"
+# sysexits' EX_TEMPFAIL, "try again": a launched worker whose port another
+# process took exits with it, and its launcher starts the cluster again.
+# (Here, with the variables above, so that the launcher needs no TensorFlow.)
+EXIT_PORT_TAKEN = 75
 _COMMAND_MODULES = ("kerasmulti", "kerasmulti._src.commands.cli")
 
 

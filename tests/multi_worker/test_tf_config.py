@@ -120,3 +120,18 @@ def test_a_slurm_task_on_a_node_outside_its_step_is_refused(monkeypatch):
     _slurm_step(monkeypatch, 1, nodes="node[1-2]", tasks_per_node="1(x2)", SLURMD_NODENAME="node2.cluster", SLURM_LOCALID="0")
     with pytest.raises(LaunchError, match=r"not among the job step's nodes \(node1, node2\).*Received: SLURMD_NODENAME='node2.cluster'"):
         _tf_config.slurm_tf_config()
+
+
+def test_the_launcher_loads_without_tensorflow():
+    # `kerasmulti launch` only starts processes: TensorFlow (seconds, and a
+    # GPU driver a forked worker could not use) loads in the workers.
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from kerasmulti._src.commands import launch; "
+        "from kerasmulti._src.multi_worker import supervisor, tf_config; print('tensorflow' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False"]

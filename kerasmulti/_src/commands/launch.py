@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-from kerasmulti._src.cluster import ENV_CONFIG, ENV_JOIN
 from kerasmulti._src.multi_worker.supervisor import run_one, run_workers
 from kerasmulti._src.multi_worker.tf_config import LaunchError, in_slurm_step, parse_hosts, slurm_tf_config, tf_config
+from kerasmulti._src.startup import ENV_CONFIG, ENV_JOIN
 
 
 def run(args) -> int:

@@ -26,10 +26,11 @@ from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
-from kerasmulti._src.devices import is_positive_int, resolve_devices
+from kerasmulti._src.devices import resolve_devices
 from kerasmulti._src.inference import output_file as _output_file
 from kerasmulti._src.inference import sources as _sources
 from kerasmulti._src.utils import fault_points as _fault_points
+from kerasmulti._src.utils.arguments import is_positive_int
 
 _CACHE = "__kerasmulti_parallel_models"
 _STEP = "_kerasmulti_predict"

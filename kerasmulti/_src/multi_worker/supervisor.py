@@ -23,8 +23,8 @@ import threading
 from multiprocessing import connection
 from typing import Callable
 
-from kerasmulti._src.cluster import EXIT_PORT_TAKEN
 from kerasmulti._src.multi_worker.tf_config import check_workers, gpus_per_worker, local_hosts, physical_gpus, worker_environment
+from kerasmulti._src.startup import EXIT_PORT_TAKEN
 
 PORT_ATTEMPTS = 3
 

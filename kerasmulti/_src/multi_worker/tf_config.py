@@ -16,10 +16,8 @@ import socket
 import subprocess
 import sys
 
-import tensorflow as tf
-
-from kerasmulti._src.cluster import ENV_JOIN
-from kerasmulti._src.devices import is_positive_int
+from kerasmulti._src.startup import ENV_JOIN
+from kerasmulti._src.utils.arguments import is_positive_int
 
 SLURM_PORTS_PER_JOB = 8
 
@@ -110,6 +108,8 @@ def physical_gpus(fork_safe: bool = False) -> int:
     import, a few seconds).
     """
     if not fork_safe:
+        import tensorflow as tf  # here: the launcher loads TensorFlow only where it must
+
         return len(tf.config.list_physical_devices("GPU"))
     code = "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))"
     result = subprocess.run(
@@ -187,6 +187,8 @@ def slurm_tf_config(port: int | None = None) -> str:
     """
     port = slurm_port() if port is None else port
     try:
+        import tensorflow as tf
+
         tasks = int(os.environ["SLURM_STEP_NUM_TASKS"])
         # The resolver pairs each task of a node with a slot of GPUs and drops
         # the tasks beyond the node's GPUs (it zips them). One slot per task

@@ -1,0 +1,17 @@
+"""Checks of user arguments that need no TensorFlow (the launcher uses them too)."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def is_int(value) -> bool:
+    """True for ints, numpy's included; False for bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_positive_int(value) -> bool:
+    """True for an int of at least 1; False for bools, floats and anything else."""
+    return is_int(value) and value >= 1
