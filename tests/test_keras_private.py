@@ -142,7 +142,7 @@ def test_keras_callbacks_still_save_through_the_methods_kerasmulti_overrides(tmp
 
 
 def test_accumulating_optimizers_keep_the_attributes_multi_worker_accumulation_uses():
-    """`_accumulation.apply` runs Keras' accumulating apply on the optimizer's own
+    """`accumulation.apply` runs Keras' accumulating apply on the optimizer's own
     private state: each attribute exists and means what it is used for."""
     import numpy as np
 
@@ -165,14 +165,14 @@ def test_accumulating_optimizers_keep_the_attributes_multi_worker_accumulation_u
     assert optimizer._use_weight_decay(kernel) and not optimizer._use_weight_decay(bias)
     assert int(np.asarray(optimizer._iterations)) == 0
     inspect.signature(optimizer.update_step).bind("gradient", "variable", "learning_rate")
-    # What `_accumulation` mirrors: Keras' accumulating apply and its iterations
+    # What `accumulation` mirrors: Keras' accumulating apply and its iterations
     optimizer.apply([np.ones((3, 2), "float32"), np.ones(2, "float32")])
     assert int(np.asarray(optimizer._iterations)) == 1 and int(np.asarray(optimizer.iterations)) == 0
     np.testing.assert_array_equal(np.asarray(accumulators[1]), [1.0, 1.0])
 
 
 def test_loss_scale_optimizers_keep_the_attributes_multi_worker_accumulation_uses():
-    """`_accumulation.apply` re-runs LossScaleOptimizer's skip-or-apply and
+    """`accumulation.apply` re-runs LossScaleOptimizer's skip-or-apply and
     rescaling on its own state: each attribute exists and behaves so."""
     import numpy as np
 

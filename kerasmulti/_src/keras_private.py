@@ -44,11 +44,11 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
 # loss reduces through, so a replica's share of the batch's loss is patched in
-# there (`_losses.py`); the other helpers are the ones that function uses.
+# there (`loss_parts.py`); the other helpers are the ones that function uses.
 from keras.src.losses import loss as loss_module
 
-# A functional model's graph, read node by node (`_rebuild.py`,
-# `_summary.py`): Keras exposes no public node API; the key says whether a
+# A functional model's graph, read node by node (`rebuild.py`,
+# `summary.py`): Keras exposes no public node API; the key says whether a
 # layer's call belongs to this model.
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
@@ -57,18 +57,18 @@ from keras.src.ops.function import make_node_key
 # layer wrapped several times once) also lives in `global_state`.
 # Keras' saving entry points: `model.save` / `load_model` / `load_weights`
 # all go through them, so a placed model is written as a plain one there
-# (`_portable.py`); Keras has no public hook around saving.
+# (`portable.py`); Keras has no public hook around saving.
 from keras.src.saving import saving_lib
 
 # Keras' array pipeline (batches, shuffling, class weights, validation split)
-# with tf.data autotuning off (`_feeding.py`); `fit` builds it only internally.
+# with tf.data autotuning off (`feeding.py`); `fit` builds it only internally.
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
 
 # Keras' own test of whether a model can run under XLA (`jit_compile="auto"`).
 from keras.src.trainers.trainer import model_supports_jit
 
 # Not imports but private attributes of a Keras optimizer: multi-worker
-# gradient accumulation (`_accumulation.py`) re-runs Keras' accumulating
+# gradient accumulation (`accumulation.py`) re-runs Keras' accumulating
 # `apply` with its synchronisation outside the `cond` that crashes under
 # MultiWorkerMirroredStrategy (keras-team/keras#20582), on the optimizer's own
 # state so that its checkpoints and iterations are Keras': `_iterations`,
@@ -86,13 +86,13 @@ OPTIMIZER_ATTRIBUTES = (
 )
 
 # Likewise attributes of Keras' LossScaleOptimizer (mixed precision) that
-# `_accumulation.py` runs its skip-or-apply and rescaling with, around the
+# `accumulation.py` runs its skip-or-apply and rescaling with, around the
 # accumulation, since its own `apply` calls the inner optimizer's, which
 # crashes: the scale and the count of finite steps are its state, undocumented
 # (no underscore, but no public API), as is `check_finite`.
 LOSS_SCALE_ATTRIBUTES = ("inner_optimizer", "dynamic_scale", "step_counter", "dynamic_growth_steps", "check_finite")
 
-# Joining a cluster with a deadline (`_cluster._join`): the coordination
+# Joining a cluster with a deadline (`cluster._join`): the coordination
 # service is what MultiWorkerMirroredStrategy configures itself, but without
 # `cluster_register_timeout_in_ms` a missing worker blocks for an hour.
 from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # noqa: E402
@@ -143,7 +143,7 @@ def added_losses(layer) -> list:
 
 
 def swap_added_losses(layer, losses):
-    """Replaces a layer's own `_losses` list (read from `__dict__`, not through its tracker); returns the old one."""
+    """Replaces a layer's own `loss_parts` list (read from `__dict__`, not through its tracker); returns the old one."""
     old = layer.__dict__["_losses"]
     layer.__dict__["_losses"] = losses
     return old

@@ -100,7 +100,7 @@ def test_multi_worker_accumulation_gives_one_device_weights_and_state():
 
 def test_keras_own_accumulation_still_crashes_under_the_strategy(monkeypatch):
     """Why kerasmulti accumulates itself (keras-team/keras#20582): if this
-    starts passing, Keras fixed it and `_accumulation` may go."""
+    starts passing, Keras fixed it and `accumulation` may go."""
     from kerasmulti._src.multi_worker import accumulation as _accumulation
 
     monkeypatch.setattr(_accumulation, "accumulates", lambda optimizer: False)

@@ -7,7 +7,7 @@ place, so a killed process leaves the previous good checkpoint or the new
 one; and a target no save could write (a file where a folder must be, a
 template Keras cannot fill in, a field the logs never have) is refused at
 construction or after the first batch, not after an epoch of training. The
-path checks at the bottom serve `_backup` too.
+path checks at the bottom serve `backup_and_restore` too.
 """
 
 from __future__ import annotations

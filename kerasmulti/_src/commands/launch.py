@@ -1,6 +1,6 @@
 """`kerasmulti launch SCRIPT`: which workers to start, from the command line's options.
 
-- `--workers N`: N workers on this machine, on free ports (`_supervisor`),
+- `--workers N`: N workers on this machine, on free ports (`supervisor`),
   with `--devices-per-worker K` GPUs each.
 - `--hosts h1:port,h2:port --index i`: this machine's worker of a real cluster.
 - A `TF_CONFIG` already set: this machine's worker, as it says.

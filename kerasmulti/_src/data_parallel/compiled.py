@@ -11,10 +11,10 @@ predictions (and their Keras masks), the replica's part of the loss, its
 gradients, the loss trackers' values and the new non-trainable values.
 
 Replicas cannot meet inside a compiled function, so two things differ from
-the uncompiled path (`_replicas.py`):
+the uncompiled path (`replicas.py`):
 
 - The batch's loss totals. A replica divides its weighted loss sum by the
-  whole batch's total (`_loss_parts.py`). Where that total is proportional to
+  whole batch's total (`loss_parts.py`). Where that total is proportional to
   the rows (element counts, no mask, no `"mean_with_sample_weight"` with
   weights) the replica computes it from its own count: count / rows * batch.
   Otherwise a first compiled pass per replica (forward and loss only)
@@ -93,7 +93,7 @@ def _blockers(template) -> str:
 class _Totals:
     """The batch's loss totals as one replica computes them inside its function.
 
-    Called by `_losses` once per loss reduction, in the same order on every
+    Called by `loss_parts` once per loss reduction, in the same order on every
     replica. `given` holds the summed counts from a counting pass, for
     totals that are not proportional to the rows.
     """
@@ -145,7 +145,7 @@ class CompiledReplicas:
         """Every replica's step; returns `(y_pred, loss, gradients)` per replica.
 
         The loss trackers' values go to `deferred` (`loss_metrics.DeferredLossMetrics`),
-        the replicas' busy times to `timing` (`_balance.StepTiming`), if given.
+        the replicas' busy times to `timing` (`balance.StepTiming`), if given.
         Non-trainable updates (BatchNormalization, seed states) are assigned
         to the template after a training step.
         """

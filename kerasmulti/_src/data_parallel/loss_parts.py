@@ -8,7 +8,7 @@ by its own total, so weighting replicas by their share of the rows is exact
 only for the first. While a training or test step computes its loss,
 `replica_part` makes Keras' loss reduction return this replica's *part* of
 the batch's loss instead: the sum of its weighted losses divided by the whole
-batch's total, which the replicas add up (`_replicas.cross_replica_sum`, or a
+batch's total, which the replicas add up (`replicas.cross_replica_sum`, or a
 worker's all-reduce). The parts sum to the one-device loss, and so do their
 gradients. A loss function that returns a scalar has reduced already: its
 part is its value times the replica's share of the rows (exact without

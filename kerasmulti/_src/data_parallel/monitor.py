@@ -1,7 +1,7 @@
 """`ThroughputMonitor`: where a parallel model's training time goes, per epoch.
 
-The figures come from the step itself (`_balance.StepTiming`, or across
-workers `_balance.ReplicaTiming`): each replica's busy time and rows, the
+The figures come from the step itself (`balance.StepTiming`, or across
+workers `balance.ReplicaTiming`): each replica's busy time and rows, the
 slowest replica's time per step, and the step's time from its batch to the
 updated weights. The monitor reads them once per epoch, so watching costs
 no synchronisation per step (across workers, one gather per epoch). Samples per

@@ -1,6 +1,6 @@
 """`ParallelModel`: data parallelism for an existing Keras 3 model.
 
-Built by `parallelize` (`_parallelize.py`). Split, replicate, merge: every
+Built by `parallelize` (`parallelize.py`). Split, replicate, merge: every
 batch is split along axis 0 into one shard per device; the template model
 runs on each shard under that device's scope (at call time, where Keras 3
 honours it); the outputs are concatenated in order on the CPU. The wrapper
@@ -10,7 +10,7 @@ template, and saving either saves the template.
 Training does not back-propagate through the merged output (on two
 simulated devices it ran at 0.68x one device): each replica computes its loss and gradients on its shard, and
 the gradients are summed. Each replica's loss is its part of the whole
-batch's (`_loss_parts.py`), so the sum equals the one-device gradient for every
+batch's (`loss_parts.py`), so the sum equals the one-device gradient for every
 Keras loss reduction, masked losses included. Metrics are computed once on
 the merged output, so stateful metrics (AUC) see the whole batch.
 BatchNormalization is synchronised, see `sync_batchnorm.py`.
@@ -61,7 +61,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         self._template = template
         self._replica_devices = list(devices)
         self._merge_device = merge_device
-        # None (even), fixed proportions, or measured ones (`_balance`).
+        # None (even), fixed proportions, or measured ones (`balance`).
         self._auto_split = _balance.AutoSplit(len(devices)) if split == "auto" else None
         self._split = split
         self._timing = _balance.StepTiming(devices) if self._auto_split else None
@@ -78,7 +78,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         training state. XLA compiles a step for one device, so with several
         devices `jit_compile` applies to each replica's part of the step
         (forward pass, loss and gradients) on its own device
-        (`_compiled.py`): `"auto"` turns it on where Keras would (a GPU),
+        (`compiled.py`): `"auto"` turns it on where Keras would (a GPU),
         True forces it (CPU devices too), False keeps the uncompiled
         replicas, whose BatchNormalization statistics are the whole batch's.
         """
@@ -118,7 +118,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         return super()._resolve_auto_jit_compile()
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`_feeding`)."""
+        """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _monitor.attach(self, arguments.get("callbacks"))
         return super().fit(**self._fed(_feeding.fit_arguments, arguments))

@@ -4,7 +4,7 @@ Replicas are traced under their own `tf.device` scopes; TensorFlow's executor
 then runs the independent replica graphs concurrently. Forward passes (predict)
 are traced one after another on the calling thread. Training and evaluation
 steps need values of the whole batch while a replica is being traced: the batch's totals that
-its loss divides by (`_losses`), and the statistics of every
+its loss divides by (`loss_parts`), and the statistics of every
 BatchNormalization layer, which must normalise with the *whole* batch, as one
 device would. Such steps trace each replica on its own thread (as
 `tf.distribute.MirroredStrategy` does, one thread tracing at a time), and the
@@ -156,7 +156,7 @@ def run(
 def cross_replica_sum(value, by_rows=False):
     """`value` summed over the replicas of a synchronised run (not differentiated).
 
-    `by_rows` (whether the value is proportional to the rows) is `_losses`'
+    `by_rows` (whether the value is proportional to the rows) is `loss_parts`'
     hint for compiled replicas, which sum without meeting; here every sum meets.
     """
     rendezvous = getattr(_local, "sync", None)

@@ -2,7 +2,7 @@
 
 A batch of B rows over n devices becomes min(n, B) shards, in order, whose
 sizes differ by at most one, or follow the proportions `split` gives (one per
-device: fixed numbers, or a tensor that `_balance.AutoSplit` updates from
+device: fixed numbers, or a tensor that `balance.AutoSplit` updates from
 measured speeds). When B and the proportions are known while tracing (eager
 calls, the first compiled step), idle replicas are simply not run. When B is
 only known at run time (a compiled step retraced for a smaller last batch, or

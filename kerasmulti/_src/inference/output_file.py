@@ -2,7 +2,7 @@
 
 - It is created complete, with every output dataset allocated at full size
   (contiguous, allocated early), under a temporary name that is then renamed
-  into place (`_atomic`), so it is valid from the moment it exists. A missing
+  into place (`atomic`), so it is valid from the moment it exists. A missing
   folder is made first, as Keras' `ModelCheckpoint` makes it.
 - Its top level holds the outputs (and the caller's `extra` datasets) only.
   What kerasmulti keeps for itself is in attributes of the root: the model's

@@ -4,7 +4,7 @@ Batches are read one at a time (a background thread reads the next ones while
 the devices work), predicted by a parallel model, and either collected (into
 arrays, or `tf.RaggedTensor`s where batches differ in shape, as
 `model.predict` returns them) or streamed into an HDF5 file that a killed
-run resumes (`_output_file`). The same call again continues from the file's
+run resumes (`output_file`). The same call again continues from the file's
 counter; a file written for another model or input is refused, and so is an
 input whose outputs change shape between batches, before the file is touched
 where the input's batches are known in advance.

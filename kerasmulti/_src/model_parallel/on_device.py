@@ -12,7 +12,7 @@ device runs that layer wherever the model runs, after one warning.
 
 Its config (`get_config`) names the wrapped layer so that wrappers sharing
 one layer share it again within one load. `model.save` of a functional or
-Sequential model writes no `OnDevice` config at all (see `_portable`); this
+Sequential model writes no `OnDevice` config at all (see `portable`); this
 form serves models Keras rebuilds from their own code, `get_config` and
 `clone_model`.
 """

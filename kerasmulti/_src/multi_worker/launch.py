@@ -2,7 +2,7 @@
 
 In the manner of accelerate's `notebook_launcher`, `launch` forks N workers
 that each join one local cluster and call the function, prints their output
-prefixed `[worker i]` (`_supervisor`), and returns what each returned.
+prefixed `[worker i]` (`supervisor`), and returns what each returned.
 Forking copies the notebook's process, so TensorFlow must not have run
 anything in it yet (a cluster can only be joined before TensorFlow's first
 op); `launch` refuses, saying so, when it has.
@@ -130,7 +130,7 @@ def launch(
 
 
 class _Forked:
-    """A forked `multiprocessing.Process` with the `subprocess.Popen` methods `_supervisor` uses."""
+    """A forked `multiprocessing.Process` with the `subprocess.Popen` methods `supervisor` uses."""
 
     def __init__(self, process):
         self._process = process

@@ -45,7 +45,7 @@ def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on localhost (free when asked; bound later by the workers).
 
     Another process can take one before its worker binds it; the launchers
-    then start the workers again on other ports (`_supervisor.run_cluster`).
+    then start the workers again on other ports (`supervisor.run_cluster`).
     """
     sockets = []
     try:

@@ -15,7 +15,7 @@ around what breaks Keras 3 `fit` there:
   scalars; the steps return every log with a leading axis of one.
 - Keras scales each replica's loss by 1/replicas, which is exact only when the
   global batch splits evenly and the loss is a plain mean over rows. Each
-  replica's loss is its part of the global batch's instead (`_losses`: the
+  replica's loss is its part of the global batch's instead (`loss_parts`: the
   batch totals it divides by are all-reduced), so a remainder batch (even one
   that leaves a replica empty), masked losses, `"sum"` and
   `"mean_with_sample_weight"` give the loss and gradient of one process on
@@ -23,16 +23,16 @@ around what breaks Keras 3 `fit` there:
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device.
 - Keras' gradient accumulation merges inside a `cond`, which crashes under
-  the strategy (keras-team/keras#20582); `_accumulation` runs the same
+  the strategy (keras-team/keras#20582); `accumulation` runs the same
   algorithm with its synchronisation outside the `cond`.
 - Objects made outside the scope are brought in: an optimizer is re-created
   from its config; a metric's variables are re-created, like the template's.
 - Every worker reads the same input and keeps its part of each batch, in an
-  order drawn from a seed the chief chooses (`_worker_inputs`).
+  order drawn from a seed the chief chooses (`worker_inputs`).
 - fit, evaluate and predict end with a barrier, and a lost worker becomes a
   `ClusterError` that says to restart the job (it resumes from a backup).
 - `ThroughputMonitor` times each replica inside the step
-  (`_balance.ReplicaTiming`) and gathers every worker's figures at each
+  (`balance.ReplicaTiming`) and gathers every worker's figures at each
   epoch's end, a collective: `fit` checks first that every worker has one.
 """
 
@@ -54,6 +54,7 @@ from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.multi_worker import accumulation as _accumulation
+from kerasmulti._src.multi_worker import adoption as _adoption
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 
 
@@ -87,14 +88,14 @@ class WorkerModel(ParallelModel):
                 f"steps_per_execution at 1. Received: steps_per_execution={steps!r}"
             )
         with self._strategy.scope():
-            super().compile(_in_scope(optimizer, self._strategy), *args, **kwargs)
+            super().compile(_adoption.optimizer_in_scope(optimizer, self._strategy), *args, **kwargs)
             _accumulation.check(self.optimizer, self.trainable_weights)
             # Metric objects made outside the scope (AUC(), ...) hold plain
             # variables, which every worker would read as its own part only.
             for name in ("metrics", "weighted_metrics"):
                 for metric in tree.flatten(kwargs.get(name)):
                     if isinstance(metric, keras.metrics.Metric):
-                        _adopt_variables(metric.variables)
+                        _adoption.adopt_variables(metric.variables)
 
     def _compiles_replicas(self, jit_compile) -> bool:
         return False  # the strategy runs the replicas
@@ -208,7 +209,7 @@ class WorkerModel(ParallelModel):
 
     @contextlib.contextmanager
     def _part(self, share, rows, total):
-        """Losses are this replica's part of the global batch's (see `_losses`).
+        """Losses are this replica's part of the global batch's (see `loss_parts`).
 
         Keras' per-output loss trackers record each value times the replica
         count, weighted by the batch's rows; recording part / share with this
@@ -258,25 +259,6 @@ class WorkerModel(ParallelModel):
             f"{self.num_workers} worker(s); this worker's: {', '.join(self._replica_devices)}."
         )
         return self._template.summary(*args, **kwargs)
-
-
-def _in_scope(optimizer, strategy):
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        return optimizer
-    if keras_private.optimizer_strategy(optimizer, strategy) is strategy:
-        return optimizer
-    config = optimizer.get_config()
-    learning_rate = keras_private.learning_rate_or_schedule(optimizer)
-    if not isinstance(learning_rate, keras.Variable):
-        # A schedule or a callable: shared as it is; its config may name a
-        # class or a lambda that from_config cannot rebuild.
-        config["learning_rate"] = learning_rate
-    adopted = optimizer.__class__.from_config(config)
-    if optimizer.built:
-        adopted.build(keras_private.optimizer_trainable_variables(optimizer))
-        for new, old in zip(adopted.variables, optimizer.variables):
-            new.assign(old)
-    return adopted
 
 
 @tf.autograph.experimental.do_not_convert
@@ -360,13 +342,6 @@ def _synchronized_batchnorm(layers):
             layer.synchronized = value
 
 
-def _adopt_variables(variables) -> None:
-    """Re-creates Keras variables in the current strategy scope, keeping their values."""
-    for variable in variables:
-        if not isinstance(variable.value, tf.distribute.DistributedValues):
-            keras_private.reinitialize(variable, variable.value.read_value())
-
-
 def adopt(template: keras.Model, strategy) -> WorkerModel:
     """Moves the template's variables into `strategy` and wraps it for training.
 
@@ -378,7 +353,7 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     """
     with _lost_workers_explained("parallelize()"), strategy.scope():
         seed = tf.Variable(_worker_inputs.shuffle_seed(), dtype="int64", trainable=False)
-        _adopt_variables(template.variables)
+        _adoption.adopt_variables(template.variables)
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)

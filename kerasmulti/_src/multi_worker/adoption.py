@@ -1,0 +1,40 @@
+"""Bringing objects made outside a strategy's scope into it, keeping their values.
+
+A model, optimizer or metric made before `parallelize` (as usual) holds plain
+variables, which every worker would read and update as its own; inside the
+scope they are distributed, and the strategy keeps the workers' copies equal.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from kerasmulti._src import keras_private
+
+
+def adopt_variables(variables) -> None:
+    """Re-creates Keras variables in the current strategy scope, keeping their values."""
+    for variable in variables:
+        if not isinstance(variable.value, tf.distribute.DistributedValues):
+            keras_private.reinitialize(variable, variable.value.read_value())
+
+
+def optimizer_in_scope(optimizer, strategy):
+    """`optimizer`, re-created inside `strategy`'s scope (with its state) if it was made outside."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    if keras_private.optimizer_strategy(optimizer, strategy) is strategy:
+        return optimizer
+    config = optimizer.get_config()
+    learning_rate = keras_private.learning_rate_or_schedule(optimizer)
+    if not isinstance(learning_rate, keras.Variable):
+        # A schedule or a callable: shared as it is; its config may name a
+        # class or a lambda that from_config cannot rebuild.
+        config["learning_rate"] = learning_rate
+    adopted = optimizer.__class__.from_config(config)
+    if optimizer.built:
+        adopted.build(keras_private.optimizer_trainable_variables(optimizer))
+        for new, old in zip(adopted.variables, optimizer.variables):
+            new.assign(old)
+    return adopted
