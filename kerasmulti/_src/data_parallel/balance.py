@@ -117,7 +117,7 @@ class StepTiming:
         if not durations:
             durations = {0: step}
         busy = tf.stack([durations.get(i, zero) for i in range(self.replicas)])
-        sizes = [tf.cast(shards[i].size, tf.float64) if i < len(shards) else zero for i in range(self.replicas)]
+        sizes = [tf.cast(shards[i].counted, tf.float64) if i < len(shards) else zero for i in range(self.replicas)]
         self.busy.assign_add(busy)
         self.rows.assign_add(tf.stack(sizes))
         self.slowest.assign_add(tf.reduce_max(busy))
