@@ -39,3 +39,20 @@ def seeded_data(request, monkeypatch):
 
     monkeypatch.setattr(np.random, "default_rng", default_rng)
     yield seed
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (`-m "not slow"`) runs each parametrized test once, with its first parameters.
+
+    The other parameters (more model kinds, batch shapes, XLA, error cases)
+    are marked slow: CI runs them all. First, before `-m` deselects.
+    """
+    seen = set()
+    for item in items:
+        if getattr(item, "callspec", None) is None:
+            continue
+        key = (str(item.path), item.originalname)
+        if key in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(key)

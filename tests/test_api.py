@@ -71,6 +71,7 @@ print(before == after, os.environ.get("TF_CPP_MIN_LOG_LEVEL"), "kerasmulti._src.
 """
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_importing_kerasmulti_changes_nothing_in_keras_or_the_process():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_CPP", "KERASMULTI"))}
     result = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, env=env, timeout=300)

@@ -90,6 +90,7 @@ def test_import_returns_at_once_under_a_tf_config_whose_peers_are_absent():
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_tensorflow_running_before_the_import_is_explained():
     script = (
         "import tensorflow as tf; tf.constant(1)\n"  # TensorFlow runs first
@@ -221,6 +222,7 @@ def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_or
     assert endless.num_batches is None and float(endless[2][0, 0]) == 2.0
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_the_barrier_and_the_gather_trace_once_per_strategy():
     # A tf.function made at every call would trace at every call, and
     # TensorFlow warns about retracing after five. In a fresh process: each

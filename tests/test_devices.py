@@ -27,6 +27,7 @@ def test_simulate_devices_again_with_same_count_is_harmless():
     assert kerasmulti.simulate_devices(DEVICES) == CPUS
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_simulate_devices_after_start_with_the_same_count_is_harmless():
     code = "import tensorflow as tf; tf.constant(1); import kerasmulti; print(kerasmulti.simulate_devices(1))"
     result = _run_python(code)
@@ -39,6 +40,7 @@ def test_simulate_devices_after_start_says_what_to_do():
         kerasmulti.simulate_devices(5)
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_simulate_devices_leaves_threading_configurable():
     code = (
         "import kerasmulti, tensorflow as tf\n"
@@ -62,12 +64,14 @@ def _run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_environment_variable_simulates_devices():
     result = _run_python("import kerasmulti; print(len(kerasmulti.available_devices()))", KERASMULTI_SIMULATE_DEVICES="4")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "4"
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_bad_environment_variable_is_refused():
     result = _run_python("import kerasmulti", KERASMULTI_SIMULATE_DEVICES="two")
     assert result.returncode != 0
@@ -163,6 +167,7 @@ def test_one_device_is_a_working_pass_through():
     np.testing.assert_allclose(reference.predict(x, verbose=0), parallel.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_environment_variable_set_too_late_is_warned_about():
     code = (
         "import os, tensorflow as tf; tf.constant(1); "

@@ -49,11 +49,13 @@ def test_a_fixed_split_gives_one_device_numbers(case, batch_size):
     assert parallel.split == pytest.approx([0.5, 1 / 6, 1 / 3])
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 @pytest.mark.parametrize("case", [c for c in CASES if c.name != "batchnorm"], ids=lambda c: c.name)
 def test_a_fixed_split_gives_one_device_numbers_under_xla(case):
     _train_both(case, [3, 1, 2], 7, jit=True)
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_auto_split_changes_proportions_mid_training_with_one_device_numbers(case, monkeypatch):
     monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
@@ -73,6 +75,7 @@ def test_measured_proportions_that_leave_replicas_idle_keep_one_device_numbers(m
     assert parallel.split == pytest.approx([0.9, 0.05, 0.05])
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_a_masked_recurrent_model_under_a_split_and_the_monitor_gives_one_device_numbers():
     def build():
         keras.utils.set_random_seed(3)
@@ -231,6 +234,7 @@ def test_the_monitor_measures_one_device_for_a_baseline():
     assert record["compute_seconds"] >= 0.032  # 32 rows at 1 ms a row
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_the_monitor_measures_each_replica_of_a_worker_model_and_keeps_its_numbers(capsys):
     # The strategy's replicas on 2 CPUs in this process (a worker's GPUs);
     # the second slowed to half speed. Across real workers: test_multiworker.

@@ -198,6 +198,7 @@ def _masked_bn(seed=0):
     return keras.Model(tokens, keras.layers.Dense(1)(keras.layers.LSTM(4)(h)))
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_masked_statistics_and_a_wholly_masked_batch_match_one_device():
     rng = np.random.default_rng()
     lengths = rng.integers(1, 6, size=(10, 1))

@@ -42,6 +42,7 @@ def _replica_calls(concrete):
     return calls
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 @pytest.mark.parametrize("step", ["train_step", "test_step", "predict_step"])
 def test_each_replica_is_one_xla_call_on_its_own_device(step):
     parallel, x, y = _conv()

@@ -35,6 +35,7 @@ def _trained_parallel():
     return model, parallel, x
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 @pytest.mark.parametrize("how", ["save", "checkpoint"])
 @pytest.mark.parametrize("suffix", [".keras", ".h5"])
 def test_saved_file_loads_with_plain_keras_in_a_fresh_process(tmp_path, suffix, how):

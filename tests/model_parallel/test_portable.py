@@ -86,6 +86,7 @@ print(sorted({type(layer).__module__.split(".")[0] for layer in model._flatten_l
 """
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_plain_keras_loads_the_file_of_a_placed_model_and_trains_on(tmp_path, rng):
     model, x, y = _trained(rng)
     path, data, out = tmp_path / "placed.keras", tmp_path / "data.npz", tmp_path / "plain.npz"

@@ -39,6 +39,7 @@ def test_workers_get_their_tf_config_and_prefixed_output():
     assert lines == [f"[worker {i}] index={i} workers=3 devices=None gpus=None args=['a', '--b']" for i in range(3)]
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_devices_per_worker_without_gpus_is_refused_before_any_worker_starts():
     # A worker without GPUs is one replica whatever its devices: more would do nothing.
     result = _kerasmulti("--workers", "2", "--devices-per-worker", "2", os.path.join(WORKERS, "cluster_info.py"))
@@ -197,6 +198,7 @@ def test_the_notebook_launcher_reports_a_failed_worker():
     assert "the others were stopped. Received: exitcode=1" in result.stdout
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
 def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
     result = _notebook_launch("unloadable")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
