@@ -85,3 +85,26 @@ def test_importing_kerasmulti_without_the_environment_variables_loads_no_tensorf
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.slow
+def test_keras_on_another_backend_is_refused_with_a_clear_error():
+    # jax and torch are not installed here: Keras is made to report another backend.
+    script = (
+        "import keras; keras.backend.backend = lambda: 'jax'\n"
+        "import kerasmulti\n"
+        "try:\n    kerasmulti.parallelize\nexcept ImportError as error:\n    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kerasmulti runs Keras on TensorFlow, but Keras was loaded with the 'jax' backend" in result.stdout
+    assert result.stdout.strip().endswith("Received: backend='jax'")
+
+
+@pytest.mark.slow
+def test_the_command_runs_keras_on_tensorflow_whatever_the_users_default(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    script = "import os, sys; sys.argv = ['kerasmulti', 'devices']; from kerasmulti.__main__ import main; main(); print(os.environ['KERAS_BACKEND'])"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "tensorflow"

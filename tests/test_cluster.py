@@ -252,3 +252,42 @@ print("traced once")
     env.pop("TF_CONFIG", None)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "traced once" in result.stdout, result.stderr[-3000:]
+
+
+class _Resolver:
+    def __init__(self, spec, task_type, task_id):
+        self.spec, self.task_type, self.task_id = spec, task_type, task_id
+
+    def cluster_spec(self):
+        return tf.train.ClusterSpec(self.spec)
+
+
+class _Strategy:
+    def __init__(self, resolver):
+        self.cluster_resolver = resolver
+
+
+@pytest.mark.parametrize(
+    "spec, task, expected",
+    [
+        ({}, (None, None), (1, 0)),  # no TF_CONFIG: one worker
+        ({"worker": ["a:1", "b:1", "c:1"]}, ("worker", 2), (3, 2)),
+        ({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, ("chief", 0), (3, 0)),
+        ({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, ("worker", 1), (3, 2)),  # after the chief
+    ],
+)
+def test_worker_count_and_index_follow_tensorflows_numbering_and_are_read_once(spec, task, expected):
+    from kerasmulti._src import cluster as _cluster
+    from kerasmulti._src.keras_private import multi_worker_util
+
+    resolver = _Resolver(spec, *task)
+    strategy = _Strategy(resolver)
+    assert (_cluster.worker_count(strategy), _cluster.worker_index(strategy)) == expected
+    if spec:  # what MultiWorkerMirroredStrategy fixes when it is made
+        cluster_spec = tf.train.ClusterSpec(spec)
+        assert expected == (
+            multi_worker_util.worker_count(cluster_spec, task[0]),
+            multi_worker_util.id_in_cluster(cluster_spec, task[0], task[1]),
+        )
+    resolver.spec, resolver.task_type, resolver.task_id = {"worker": ["x:1"] * 9}, "worker", 8  # TF_CONFIG changed later
+    assert (_cluster.worker_count(strategy), _cluster.worker_index(strategy)) == expected

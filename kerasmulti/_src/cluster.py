@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -246,17 +247,31 @@ def _join(timeout_s: float):
 
 def worker_count(strategy) -> int:
     """The workers (the chief included) that `strategy` trains on; 1 outside a cluster."""
-    spec = strategy.cluster_resolver.cluster_spec().as_dict()
-    return len(spec.get("chief", [])) + len(spec.get("worker", [])) or 1
+    return _place(strategy)[0]
 
 
 def worker_index(strategy) -> int:
     """This worker's place among `worker_count`'s: the chief is 0, then the workers in order."""
-    resolver = strategy.cluster_resolver
-    spec = resolver.cluster_spec().as_dict()
-    if not spec or resolver.task_type == "chief":
-        return 0
-    return len(spec.get("chief", [])) + int(resolver.task_id)
+    return _place(strategy)[1]
+
+
+# strategy -> (worker count, this worker's index), read from its cluster
+# resolver once, as the strategy fixes them when it is made: the resolver
+# reads TF_CONFIG again at every call, and a script may change it afterwards.
+_places: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _place(strategy) -> tuple[int, int]:
+    if strategy not in _places:
+        resolver = strategy.cluster_resolver
+        spec = resolver.cluster_spec().as_dict()
+        chiefs, workers = len(spec.get("chief", [])), len(spec.get("worker", []))
+        if not spec or resolver.task_type == "chief":
+            index = 0
+        else:
+            index = chiefs + int(resolver.task_id)
+        _places[strategy] = (chiefs + workers or 1, index)
+    return _places[strategy]
 
 
 def strategy():

@@ -15,7 +15,7 @@ were read from are the ones `setup.cfg` pins.
 
 Patches of Keras objects (the loss reduction in `loss_parts.py`, saving in
 `portable.py`, the layer call in `device_scope.py`, BatchNormalization in
-`replicas.py`) live with the feature they serve; what they patch is imported
+`sync_batchnorm.py`) live with the feature they serve; what they patch is imported
 from here or is a public class. Private methods that kerasmulti's subclasses
 override are listed in `OVERRIDDEN`.
 """
@@ -27,6 +27,15 @@ import os
 import sys
 
 import keras
+
+if keras.backend.backend() != "tensorflow":
+    # Everything below is the TensorFlow backend's: another backend's would
+    # fail in ways that do not say why.
+    raise ImportError(
+        f"kerasmulti runs Keras on TensorFlow, but Keras was loaded with the {keras.backend.backend()!r} "
+        "backend. Set KERAS_BACKEND=tensorflow before Keras is first imported (or in ~/.keras/keras.json). "
+        f"Received: backend={keras.backend.backend()!r}"
+    )
 
 # Builds a model's variables (and Keras' compiled loss) symbolically, as
 # Keras does before a step under a distribution strategy (`_symbolic_build`).
@@ -75,7 +84,7 @@ from keras.src.trainers.trainer import model_supports_jit
 # `_accumulated_gradients`, `_get_variable_index`, `_filter_empty_gradients`,
 # `_clip_gradients`, `_use_weight_decay`. No public name reaches the
 # accumulators or Keras' clipping and weight-decay rules. (Listed here for
-# `tests/test_private.py`; they are attributes, not names in `__all__`.)
+# `tests/test_keras_private.py`; they are attributes, not names in `__all__`.)
 OPTIMIZER_ATTRIBUTES = (
     "_iterations",
     "_accumulated_gradients",

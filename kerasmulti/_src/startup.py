@@ -5,8 +5,10 @@ the first public call: splitting the CPU into simulated devices when
 `KERASMULTI_SIMULATE_DEVICES` is set, and joining the cluster of a worker
 that `kerasmulti launch` (or `launch()`) started, which it marks with
 `KERASMULTI_JOIN=1`. Without those variables importing kerasmulti loads
-nothing and changes nothing. The `kerasmulti` command does both itself after
-parsing its arguments, so `kerasmulti --help` answers without TensorFlow.
+nothing and changes nothing. The `kerasmulti` command simulates devices itself
+after parsing its arguments (so `kerasmulti --help` answers without
+TensorFlow), and never joins a cluster: `kerasmulti launch` starts the workers
+that do.
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ def started_by_command_line() -> bool:
     """True in the `kerasmulti` command: its script, or `python -m kerasmulti`."""
     if os.path.basename(sys.argv[0]) == "kerasmulti":
         return True
-    argv = list(getattr(sys, "orig_argv", sys.argv))
-    return any(flag == "-m" and module in _COMMAND_MODULES for flag, module in zip(argv, argv[1:]))
+    # The interpreter's options come before the script or `-m module`; what
+    # follows those is the program's own arguments.
+    options = iter(getattr(sys, "orig_argv", sys.argv)[1:])
+    for option in options:
+        if option in ("-X", "-W"):  # they take a value
+            next(options, None)
+        elif option.startswith("-m"):
+            return (option[2:] or next(options, "")) in _COMMAND_MODULES
+        elif not option.startswith("-") or option.startswith("-c"):
+            return False  # a script, or -c code
+    return False
 
 
 def from_environment() -> None:

@@ -87,6 +87,30 @@ print(sorted({type(layer).__module__.split(".")[0] for layer in model._flatten_l
 
 
 @pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
+@pytest.mark.slow
+def test_an_h5_file_of_a_placed_model_loads_with_kerasmulti_load_model_in_a_fresh_process(tmp_path, rng):
+    model, x, _ = _trained(rng)
+    path, data = tmp_path / "placed.h5", tmp_path / "x.npz"
+    model.save(path)  # legacy HDF5: the file holds the OnDevice layers
+    np.savez(data, x0=x[0], x1=x[1], y=model.predict(x, verbose=0))
+    script = (
+        "import sys, numpy as np, kerasmulti\n"
+        "kerasmulti.simulate_devices(3)\n"
+        # compile=False: Keras' legacy loader cannot compile an .h5 with loss="mse"
+        "model = kerasmulti.load_model(sys.argv[1], compile=False)\n"
+        "d = np.load(sys.argv[2])\n"
+        "np.testing.assert_allclose(model.predict([d['x0'], d['x1']], verbose=0), d['y'], rtol=1e-6, atol=1e-7)\n"
+        "print(sorted({w.device for w in model.layers if isinstance(w, kerasmulti.OnDevice)}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KERASMULTI", "TF_CONFIG"))}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(data)], capture_output=True, text=True, timeout=300,
+        env={**env, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == str(sorted({w.device for w in _wrappers(model)}))
+
+
 def test_plain_keras_loads_the_file_of_a_placed_model_and_trains_on(tmp_path, rng):
     model, x, y = _trained(rng)
     path, data, out = tmp_path / "placed.keras", tmp_path / "data.npz", tmp_path / "plain.npz"

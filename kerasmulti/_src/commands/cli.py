@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     # output; warnings and errors still show. A value the user set wins. Set
     # here, not at import: a library leaves the user's process alone.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # The command is kerasmulti's own program: it runs Keras on TensorFlow
+    # unless the user chose a backend (which keras_private then refuses).
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     try:
         return _run_command(args)
     except KeyboardInterrupt:

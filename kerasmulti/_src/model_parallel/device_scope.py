@@ -25,12 +25,17 @@ _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
 _installed = 0
 _install_lock = threading.Lock()
+
+
 def _is_symbolic(args, kwargs) -> bool:
     return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten((args, kwargs)))
 
 
 def _scoped_call(self, *args, **kwargs):
     device = _scopes.innermost()
+    # A model loaded (or cloned) inside a scope keeps the placement it was
+    # saved with: wrapping its layers again would rename them, and its
+    # weights would no longer match.
     if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not keras_private.keras_is_deserialising(skip=2):
         return OnDevice(self, device, _validated=True)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)

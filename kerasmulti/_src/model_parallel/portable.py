@@ -2,7 +2,8 @@
 
 A `.keras` file names each layer's class, and Keras imports classes only
 from its own packages, so a file holding `OnDevice` layers would load only
-where kerasmulti is imported. Keras also finds each layer's weights in the
+where kerasmulti's `OnDevice` is registered (`kerasmulti.load_model`, or
+`custom_objects`). Keras also finds each layer's weights in the
 file by a path built from class names, so a file cannot hold the wrappers
 and still load as the model without them.
 

@@ -84,7 +84,7 @@ def _shuffled(kwargs, seed):
         lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
     ).prefetch(2)
     options = tf.data.Options()
-    options.autotune.enabled = False  # no teardown stall (see _sources.batched)
+    options.autotune.enabled = False  # no teardown stall (see `batched` in inference/sources.py)
     # The epoch is read when each epoch's order is drawn.
     options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
     kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
