@@ -1,0 +1,1 @@
+"""Keras callbacks for parallel models: atomic checkpoints of the template, exact backups."""

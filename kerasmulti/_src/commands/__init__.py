@@ -1,0 +1,1 @@
+"""The `kerasmulti` command: demo, devices, predict, launch."""

@@ -1,0 +1,1 @@
+"""The data-parallel model: splitting batches, running replicas, merging, and their parts."""

@@ -1,0 +1,1 @@
+"""Data-parallel batch inference over data larger than memory, into a resumable file."""

@@ -1,0 +1,1 @@
+"""Model parallelism: layers placed on devices, saved in files plain Keras loads."""
