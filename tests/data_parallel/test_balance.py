@@ -50,13 +50,19 @@ def test_a_fixed_split_gives_one_device_numbers(case, batch_size):
 
 
 @pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
-@pytest.mark.parametrize("case", [c for c in CASES if c.name != "batchnorm"], ids=lambda c: c.name)
+# Every case splits unevenly without XLA above; under XLA, one case per input
+# structure (a tensor, a dict, a sequence with state).
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("sequential", "dict_inputs", "rnn")], ids=lambda c: c.name)
 def test_a_fixed_split_gives_one_device_numbers_under_xla(case):
     _train_both(case, [3, 1, 2], 7, jit=True)
 
 
 @pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+# Sizes that change between steps: a plain model, several inputs and outputs,
+# synchronised statistics, a sequence.
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in ("sequential", "functional_multi_io", "batchnorm", "rnn")], ids=lambda c: c.name
+)
 def test_auto_split_changes_proportions_mid_training_with_one_device_numbers(case, monkeypatch):
     monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
     monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 3)
