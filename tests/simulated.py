@@ -5,7 +5,14 @@ it), so that a module run alone gets the same devices as the whole suite;
 tests that need no TensorFlow do not import it, and do not start it.
 """
 
+import tensorflow as tf
+
 import kerasmulti
 
 DEVICES = 3
 kerasmulti.simulate_devices(DEVICES)
+# TensorFlow runs as many ops at once as the machine has cores (2 in CI). A
+# replica's op that blocks (a sleep standing for a slow device, a rendezvous)
+# would then hold up another replica's, and timings would show the queue
+# rather than the devices: one thread per device, and as many again.
+tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES)
