@@ -10,9 +10,11 @@ import tensorflow as tf
 import kerasmulti
 
 DEVICES = 3
-kerasmulti.simulate_devices(DEVICES)
 # TensorFlow runs as many ops at once as the machine has cores (2 in CI). A
 # replica's op that blocks (a sleep standing for a slow device, a rendezvous)
 # would then hold up another replica's, and timings would show the queue
-# rather than the devices: one thread per device, and as many again.
+# rather than the devices: one thread per device, and as many again. Set
+# first: on a machine with GPUs, simulate_devices lists them, which starts
+# TensorFlow, after which threading can no longer be set.
 tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES)
+kerasmulti.simulate_devices(DEVICES)
