@@ -43,8 +43,11 @@ def parallelize(
     what Keras' regularisers add). (A loss function that returns an already
     averaged scalar is exact without sample weights and approximate with
     them, with a warning.) The model's own `train_step`, `test_step`,
-    `predict_step`, `compute_loss` or `compute_metrics`, if it overrides
-    them, is not run (a warning says so). With BatchNormalization, train
+    `predict_step`, `compute_loss` or `compute_metrics` (a GAN, a VAE), if
+    it overrides them, runs on every replica, with one device's numbers
+    where its losses are means over rows (docs/data-parallel.md, "Custom
+    training steps"); a model without `call` whose parts are built is
+    accepted, and `compile` takes its own signature. With BatchNormalization, train
     with `fit` or `train_on_batch`: under your own `GradientTape`, a call
     with `training=True` raises, since its replicas run on threads.
     With one device it is a pass-through, so code written for N GPUs runs on
@@ -106,11 +109,19 @@ def parallelize(
     parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
     ```
     """
-    if isinstance(model, keras.Model):
-        _warn_overrides(unwrap(model), ("predict_step",))
     strategy = _cluster.strategy()
     if strategy is not None:
+        if isinstance(model, keras.Model):
+            _warn_overrides(unwrap(model), ("predict_step",))
         _wrap.check_model(model)
+        if not unwrap(model).built:
+            # check_model lets a GAN without call through: its own step runs in one process only.
+            raise ValueError(
+                f"Across workers parallelize() needs a built model: the own train_step of "
+                f"'{unwrap(model).name}' runs data-parallel in one process only so far. Train it "
+                f"in one process, or give it a call() and build it. "
+                f"Received: model={unwrap(model).name!r} with built=False"
+            )
         # Checked, though the strategy picks the devices.
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(

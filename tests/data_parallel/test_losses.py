@@ -11,10 +11,12 @@ sub-batches and a remainder batch (10 samples in batches of 4 over 3 devices).
 
 from simulated import DEVICES
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
-from cases import assert_same_logs, assert_same_weights
+from cases import assert_same_logs, assert_same_weights, worker_model
 
 import kerasmulti
 
@@ -244,30 +246,34 @@ def test_the_padding_matters_here():
     assert masked.evaluate(x, y, verbose=0) < 10 < 100 < unmasked.evaluate(x, y, verbose=0)
 
 
-def test_a_template_with_its_own_loss_step_is_warned_about():
+def test_across_workers_a_template_with_its_own_loss_step_is_warned_about():
+    # In one process the template's own steps run (test_custom_steps.py); across workers not yet.
     class OwnLoss(keras.Model):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
             return keras.ops.mean(keras.ops.abs(y - y_pred))
 
     inputs = keras.Input((4,))
     template = OwnLoss(inputs, keras.layers.Dense(1)(inputs))
-    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel = worker_model(template)
     with pytest.warns(UserWarning, match=r"does not run compute_loss of the template.*Received: overrides=\['compute_loss'\]"):
         parallel.compile(optimizer="sgd", loss="mse")
 
 
-def test_a_template_with_its_own_predict_step_is_warned_about_when_wrapped():
+def test_parallel_predict_warns_that_it_does_not_run_the_templates_predict_step():
     class Labels(keras.Model):
         def predict_step(self, data):
             return keras.ops.argmax(self(data, training=False), axis=-1)
 
     inputs = keras.Input((4,))
     template = Labels(inputs, keras.layers.Dense(3)(inputs))
+    x = np.random.default_rng().normal(size=(7, 4)).astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # parallelize runs it: nothing to warn about
+        parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    np.testing.assert_array_equal(parallel.predict(x, batch_size=4, verbose=0), template.predict(x, batch_size=4, verbose=0))
     with pytest.warns(UserWarning, match=r"does not run predict_step of the template.*Received: overrides=\['predict_step'\]") as record:
-        kerasmulti.parallelize(template, gpus=DEVICES)
+        kerasmulti.parallel_predict(template, x, verbose=0)
     assert record[0].filename == __file__  # the warning points at the user's line
-    with pytest.warns(UserWarning, match=r"does not run predict_step"):
-        kerasmulti.parallel_predict(template, np.zeros((4, 4), "float32"), verbose=0)
 
 
 def test_auto_scale_loss_reaches_the_template_so_they_share_one_optimizer():

@@ -27,6 +27,7 @@ import tensorflow as tf
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import compiled as _compiled
+from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
@@ -66,6 +67,8 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         self._split = split
         self._timing = _balance.StepTiming(devices) if self._auto_split else None
         self._batchnorm = _sync_batchnorm.batchnorm_layers(template)
+        # The template's own steps, where it has some (`custom_steps.py`).
+        self._custom = _custom_steps.CustomSteps(self) if self._runs_custom_steps() else None
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -81,7 +84,13 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         (`compiled.py`): `"auto"` turns it on where Keras would (a GPU),
         True forces it (CPU devices too), False keeps the uncompiled
         replicas, whose BatchNormalization statistics are the whole batch's.
+
+        A template with steps of its own (`custom_steps.py`) is compiled with
+        its own `compile` signature (a GAN's `compile(d_optimizer,
+        g_optimizer, loss_fn)`); its replicas run uncompiled.
         """
+        if self._custom is not None:
+            return self._compile_custom(args, kwargs, jit_compile)
         _loss_parts.check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
         replicas = len(self._replica_devices)
         if replicas > 1:
@@ -91,15 +100,77 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
                 self._compiled = _compiled.CompiledReplicas(self)
             jit_compile = False  # the outer step spans the devices
         super().compile(*args, jit_compile=jit_compile, **kwargs)
-        _warn_overrides(self._template, ("train_step", "test_step", "compute_loss", "compute_metrics"))
+        auto_scale_loss = kwargs.get("auto_scale_loss", True)
+        if auto_scale_loss and self._template.dtype_policy.name == "mixed_float16":
+            # What Keras does for a mixed_float16 model, when only the
+            # template (not the global policy) is mixed.
+            self._scale_losses()
+        _warn_overrides(self._template, _custom_steps.STEPS)
         # The template is compiled alike, sharing the optimizer: files saved
         # from either hold the training state, and a backup's layout is the
         # same in every process (it does not depend on whether a save ran).
         # Keras' compile config leaves auto_scale_loss out; without it the
         # template would wrap the shared optimizer in a LossScaleOptimizer.
-        auto_scale_loss = kwargs.get("auto_scale_loss", True)
         self._template.compile(
             **dict(keras_private.compile_arguments(self), optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
+        )
+
+    def _scale_losses(self) -> None:
+        optimizer = self.optimizer
+        if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+
+    def _compile_custom(self, args, kwargs, jit_compile) -> None:
+        """compile() for a template with steps of its own: the template's compile, then this model's."""
+        if jit_compile != "auto":
+            kwargs = dict(kwargs, jit_compile=jit_compile)
+        self._template.compile(*args, **kwargs)
+        self._compile_as_template()
+
+    def _compile_as_template(self) -> None:
+        """Compiles this model to run the compiled template's steps: its optimizer, no loss of its own."""
+        self._compiled = None
+        keras.Model.compile(
+            self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
+            run_eagerly=getattr(self._template, "run_eagerly", False),
+            steps_per_execution=getattr(self._template, "steps_per_execution", 1),
+        )
+
+    def _adopt_template_compile(self) -> None:
+        """Compiles this model as the template was, if it was and this model is not yet.
+
+        A model loaded from a `.keras` file comes compiled, its optimizer
+        holding its state: the parallel model trains it without a new compile.
+        """
+        if self.compiled or not getattr(self._template, "compiled", False):
+            return
+        if self._custom is not None:
+            self._compile_as_template()
+            return
+        arguments = keras_private.compile_arguments(self._template)
+        self.compile(**dict(arguments, optimizer=self._template.optimizer))
+
+    @property
+    def metrics(self):
+        if self.__dict__.get("_custom") is not None:
+            return self._template.metrics  # what the template's own steps update
+        return super().metrics
+
+    def __getattr__(self, name):
+        """Attributes the template's own class or the user gave it (a callback's `self.model.counter`).
+
+        Called only when this model has no such attribute. Keras' own
+        attributes are not forwarded: the parallel model has its own.
+        """
+        template = self.__dict__.get("_template")
+        if template is None or name.startswith("__"):
+            raise AttributeError(name)
+        if name in vars(template) or _defined_by_user_class(type(template), name):
+            return getattr(template, name)
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}', and its template "
+            f"'{template.name}' has none of its own to lend. Reach the template with "
+            f"kerasmulti.unwrap(model). Received: name={name!r}"
         )
 
     def _compiles_replicas(self, jit_compile) -> bool:
@@ -119,12 +190,14 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""
+        self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _monitor.attach(self, arguments.get("callbacks"))
         return super().fit(**self._fed(_feeding.fit_arguments, arguments))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
+        self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
         return super().evaluate(**self._fed(_feeding.evaluate_arguments, arguments))
 
@@ -205,7 +278,12 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         with tf.device(self._merge_device):
             return _split.merge(outputs, shards)
 
+    def _runs_custom_steps(self) -> bool:
+        return bool(_custom_steps.overridden(self._template))
+
     def train_step(self, data):
+        if self._custom is not None:
+            return self._custom.run("train_step", data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._timing is not None:
             started = self._timing.step_start(x)
@@ -228,11 +306,26 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         return logs
 
     def test_step(self, data):
+        if self._custom is not None:
+            return self._custom.run("test_step", data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = self._replica_step(x, y, sample_weight, training=False)
         if step is None:
             return super().test_step(data)
         return self.compute_metrics(x, y, step[0], sample_weight=sample_weight)
+
+    def predict_step(self, data):
+        if self._custom is not None and "predict_step" in self._custom.overridden:
+            return self._custom.predict(data)
+        return super().predict_step(data)
+
+    def train_on_batch(self, *args, **kwargs):
+        self._adopt_template_compile()
+        return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        self._adopt_template_compile()
+        return super().test_on_batch(*args, **kwargs)
 
     def _replica_step(self, x, y, sample_weight, training):
         """Every replica's forward pass, its part of the loss and (training) its gradients.
@@ -328,6 +421,11 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         stack.enter_context(_replica_losses.kept_per_replica(self))
         stack.enter_context(_sync_batchnorm.synchronized(self._batchnorm))
         return stack
+
+
+def _defined_by_user_class(cls, name: str) -> bool:
+    """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
+    return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
 
 
 def _warn_overrides(template: keras.Model, names) -> None:

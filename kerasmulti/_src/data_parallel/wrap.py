@@ -15,6 +15,7 @@ import tensorflow as tf
 from kerasmulti._src import devices as _devices
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
 
@@ -85,6 +86,11 @@ def check_model(model) -> None:
             "parallelize() expects a keras.Model. Wrap a single layer in "
             f"keras.Sequential first. Received: model={type(model).__name__}"
         )
+    if not model.built and _custom_steps.overridden(model) and _custom_steps.parts_built(model):
+        # A GAN holding a generator and a discriminator has no call, a
+        # distiller is built at its first step: their parts have weights.
+        _refuse_unsplittable(model)
+        return
     if not model.built:
         raise ValueError(
             f"parallelize() needs a built model, but '{model.name}' has no weights yet. "

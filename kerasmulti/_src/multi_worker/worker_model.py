@@ -97,6 +97,9 @@ class WorkerModel(ParallelModel):
                     if isinstance(metric, keras.metrics.Metric):
                         _adoption.adopt_variables(metric.variables)
 
+    def _runs_custom_steps(self) -> bool:
+        return False  # across workers the template's own steps are not run yet (compile warns)
+
     def _compiles_replicas(self, jit_compile) -> bool:
         return False  # the strategy runs the replicas
 

@@ -1,0 +1,313 @@
+"""The template's own `train_step`, `test_step`, `predict_step` and `compute_loss`, data-parallel.
+
+A GAN, a VAE, a distiller or any model written as Keras' guide "Customizing
+what happens in fit()" shows keeps its training in its own step. Such a step
+runs here in a *replica context*, as `tf.distribute` runs it: every replica
+runs the template's step unchanged on its rows, on its device's thread
+(`replicas.run`, synchronised), and kerasmulti handles the points where one
+device would see the whole batch:
+
+- `optimizer.apply` (and `apply_gradients`, which calls it): the replicas'
+  gradients, each multiplied by its replica's share of the rows, are summed
+  and applied once, so a loss that is a mean over the batch's rows gives one
+  device's gradient (terms that do not depend on the rows, such as weight
+  regularisers, too: the shares sum to 1). Every replica then goes on with the
+  new weights: two optimizers in one step (a GAN's) each step once.
+- `metric.update_state`: the replicas' arguments are merged and one update
+  is made: tensors with a row per batch row are joined in shard order, a
+  scalar `sample_weight` (Keras passes the row count) is summed, any other
+  scalar (a mean loss) is averaged by the shares. A `Mean` tracker then holds
+  the whole batch's mean, on uneven splits too.
+- variables the step assigns itself (a step counter) are assigned by the
+  first replica only, as `tf.distribute` does for `aggregation=
+  "only_first_replica"`: a counter counts steps, not steps x replicas.
+- the logs the step returns are averaged by the shares: a metric's result is
+  the same on every replica, and a per-replica mean loss becomes the batch's.
+
+So the numbers are one device's where the step's losses are means over the
+batch's rows (Keras' default reduction); a loss summed over rows counts each
+replica's part by its share. Random draws inside the step (a GAN's latent
+vectors, Dropout) are each replica's own, as with `tf.distribute`. Nested
+tapes (a gradient penalty) run inside each replica, so they need nothing.
+The replicas run uncompiled: XLA compiles one device's program, and the
+step's meeting points span the devices.
+
+The other design, running the step once and splitting each model call
+inside it, was not taken: TensorFlow places the backward pass of a tape's
+gradient on the default device, not on each replica's (the merged-output
+backward measured 0.68x one device on two simulated devices), and a custom
+gradient that would place it breaks second-order gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import split as _split
+
+# The steps a template may override that this module runs for it.
+STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+
+_local = threading.local()  # per replica thread: inside an update made for all replicas
+
+
+class _Run:
+    """The step being traced: read by its replica threads (one step traces at a time)."""
+
+    shares: list = []
+    shards: list = []
+    merge_device: str = "/cpu:0"
+
+
+_run = _Run()
+
+
+def overridden(template: keras.Model) -> list[str]:
+    """The steps `template`'s class overrides, in `STEPS` order."""
+    return [name for name in STEPS if getattr(type(template), name, None) is not getattr(keras.Model, name)]
+
+
+def parts_built(template: keras.Model) -> bool:
+    """Whether every layer of `template` but itself has its weights (a GAN's networks)."""
+    layers = keras_private.flatten_layers(template, include_self=False)
+    return bool(layers) and all(layer.built for layer in layers)
+
+
+def _through() -> bool:
+    """Whether this thread is inside an update made for all replicas (nested calls pass)."""
+    return getattr(_local, "through", 0) > 0
+
+
+@contextlib.contextmanager
+def _passing_through():
+    _local.through = getattr(_local, "through", 0) + 1
+    try:
+        yield
+    finally:
+        _local.through -= 1
+
+
+def _scaled(gradient, share):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(share, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(share, gradient.dtype)
+
+
+def _optimizer_apply(optimizer, original):
+    def apply(grads, trainable_variables=None):
+        if _through():
+            return original(grads, trainable_variables)
+        meeting = _replicas.rendezvous()
+        share = _run.shares[_replicas.replica_id()]
+        grads = list(grads)
+        gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
+        if _replicas.replica_id() == 0:
+            summed = [_split.sum_gradients([replica[k] for replica in gathered]) for k in range(len(grads))]
+            with _passing_through():
+                original(summed, trainable_variables)
+        # The others go on only once the update is in the step, so they read the new weights.
+        meeting.all_gather(None, f"after {optimizer.name}.apply")
+
+    return apply
+
+
+def _merged_leaf(values, name, shares, shards):
+    """One update argument from every replica's (see the module docstring)."""
+    first = values[0]
+    if first is None or isinstance(first, (str, bool)):
+        return first
+    if isinstance(first, (int, float)) or getattr(first, "shape", None) is not None and len(first.shape) == 0:
+        # Keras passes a sub-batch's row count as the weight of its mean.
+        weights = [_counts(s) for s in shards] if name == "sample_weight" else shares
+        terms = [tf.cast(w, tf.float32) * tf.cast(v, tf.float32) for w, v in zip(weights, values)]
+        dtype = getattr(first, "dtype", None)
+        total = tf.add_n(terms)
+        return total if dtype is None else tf.cast(total, dtype)
+    rows = first.shape[0]
+    if rows is None or (isinstance(shards[0].sliced, int) and rows == shards[0].sliced):
+        return _split.merge(list(values), shards)
+    return first  # not one row per batch row: the first replica's
+
+
+def _counts(shard):
+    """1 if the shard's rows count, 0 for an idle replica's borrowed row."""
+    return float(shard.counted > 0) if isinstance(shard.counted, int) else tf.cast(shard.counted > 0, tf.float32)
+
+
+def _merged_arguments(signature, gathered, shares, shards) -> inspect.BoundArguments:
+    """The first replica's bound arguments, each merged with the others' (`_merged_leaf`)."""
+    bound = [signature.bind(*args, **kwargs) for args, kwargs in gathered]
+    for name, parameter in signature.parameters.items():
+        if name not in bound[0].arguments:
+            continue
+        per_replica = [b.arguments[name] for b in bound]
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            merged = {key: _merged_value([d[key] for d in per_replica], key, shares, shards) for key in per_replica[0]}
+        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            merged = tuple(_merged_value(list(v), name, shares, shards) for v in zip(*per_replica))
+        else:
+            merged = _merged_value(per_replica, name, shares, shards)
+        bound[0].arguments[name] = merged
+    return bound[0]
+
+
+def _merged_value(per_replica, name, shares, shards):
+    return tree.map_structure(lambda *values: _merged_leaf(values, name, shares, shards), *per_replica)
+
+
+def _metric_update(metric, original):
+    signature = inspect.signature(original)
+
+    def update_state(*args, **kwargs):
+        if _through():
+            return original(*args, **kwargs)
+        meeting = _replicas.rendezvous()
+        gathered = meeting.all_gather((args, kwargs), f"{metric.name}.update_state")
+        if _replicas.replica_id() == 0:
+            with tf.device(_run.merge_device):
+                merged = _merged_arguments(signature, gathered, _run.shares, _run.shards)
+                with _passing_through():
+                    original(*merged.args, **merged.kwargs)
+        # Results read after this point see the update, on every replica.
+        meeting.all_gather(None, f"after {metric.name}.update_state")
+
+    return update_state
+
+
+def _first_replica_assign(variable, original):
+    def assign(value, *args, **kwargs):
+        if _through() or _replicas.replica_id() == 0 or _replicas.rendezvous() is None:
+            return original(value, *args, **kwargs)
+        return variable
+
+    return assign
+
+
+def _optimizers(template) -> list:
+    found = [template.optimizer] if getattr(template, "optimizer", None) is not None else []
+    for value in vars(template).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
+            found.append(value)
+    return found
+
+
+def _metrics(template) -> list:
+    found = []
+    for metric in list(template.metrics) + [m for layer in keras_private.flatten_layers(template)
+                                             for m in getattr(layer, "_metrics", [])]:
+        if all(metric is not m for m in found):
+            found.append(metric)
+    return found
+
+
+def _assigned_variables(template) -> list:
+    """The template's variables a step may assign itself: not its seeds (per replica)."""
+    seeds = {id(g.state) for layer in keras_private.flatten_layers(template)
+             for g in keras_private.seed_generators(layer)}
+    return [v for v in template.variables if id(v) not in seeds]
+
+
+@contextlib.contextmanager
+def _patched(pairs):
+    """Sets instance attributes (name, function) on objects, removing them on the way out."""
+    done = []
+    try:
+        for obj, name, function in pairs:
+            object.__setattr__(obj, name, function)
+            done.append((obj, name))
+        yield
+    finally:
+        for obj, name in reversed(done):
+            object.__delattr__(obj, name)
+
+
+def _replica_context(template):
+    pairs = [(o, "apply", _optimizer_apply(o, o.apply)) for o in _optimizers(template)]
+    pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in _metrics(template)]
+    for variable in _assigned_variables(template):
+        pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
+                  for name in ("assign", "assign_add", "assign_sub")]
+    return _patched(pairs)
+
+
+class CustomSteps:
+    """Runs a template's own steps over a `ParallelModel`'s devices."""
+
+    def __init__(self, parallel):
+        self._parallel = parallel
+        self.overridden = overridden(parallel._template)
+
+    def _split(self, data):
+        parallel = self._parallel
+        batch = _split.batch_size(data, "data")
+        shards = _split.plan(batch, len(parallel._replica_devices), parallel._proportions())
+        return batch, shards, parallel._slice(data, shards)
+
+    def run(self, step: str, data):
+        """The template's `step` ("train_step" or "test_step") on every replica; the merged logs."""
+        parallel, template = self._parallel, self._parallel._template
+        batch, shards, pieces = self._split(data)
+        if len(shards) == 1:
+            return getattr(template, step)(data)
+        shares = _split.shares(shards, batch)
+        self._build_compiled_loss(data)
+
+        def replica(i):
+            _replicas.set_valid(shards[i].counted)
+            return getattr(template, step)(pieces[i])
+
+        _run.shares, _run.shards, _run.merge_device = shares, shards, parallel._merge_device
+        with _replica_context(template), parallel._synchronized(True):
+            logs = _replicas.run(parallel._devices_for(shards), replica, True, parallel.variables)
+        with tf.device(parallel._merge_device):
+            return _merged_logs(logs, shares)
+
+    def predict(self, data):
+        """The template's `predict_step` on every replica's rows; the outputs joined in order."""
+        parallel, template = self._parallel, self._parallel._template
+        _, shards, pieces = self._split(data)
+        if len(shards) == 1:
+            return template.predict_step(data)
+        outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
+        with tf.device(parallel._merge_device):
+            return _split.merge(outputs, shards)
+
+    def _build_compiled_loss(self, data):
+        """Builds the template's compiled loss (and its per-output trackers) before the replicas run.
+
+        Built inside a replica, its trackers would be created after the
+        metrics are patched, and every replica would update them.
+        """
+        template = self._parallel._template
+        compiled = keras_private.compiled_loss(template)
+        if compiled is None or compiled.built or not template.built:
+            return
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = keras_private.compute_output_spec(template, x, training=False)
+        keras_private.compute_output_spec(keras_private.compute_loss, template, x, y, y_pred, sample_weight, False)
+
+
+def _merged_logs(logs: list, shares: list):
+    """The replicas' logs averaged by their shares (scalars), or the first replica's."""
+    if not isinstance(logs[0], dict):
+        return logs[0]
+    merged = {}
+    for key, first in logs[0].items():
+        values = [replica.get(key) for replica in logs]
+        scalar = all(getattr(v, "shape", None) is not None and len(v.shape) == 0 for v in values)
+        if scalar:
+            merged[key] = tf.add_n([tf.cast(s, tf.float32) * tf.cast(v, tf.float32) for s, v in zip(shares, values)])
+        else:
+            merged[key] = first
+    return merged

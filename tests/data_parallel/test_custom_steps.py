@@ -1,0 +1,489 @@
+"""Models with their own train_step, test_step, predict_step or compute_loss, run data-parallel.
+
+Miniatures of the patterns of Keras' guide "Customizing what happens in
+fit()" and of keras.io's GAN, WGAN-GP, VAE, distillation and SimSiam
+examples. Each trains through `parallelize` and is compared with the same
+model on one device, on fresh random data, with a remainder batch (26 rows in
+batches of 8: the last, 2 rows, leaves a replica idle) so shards are uneven.
+Where an example draws random numbers inside its step, the miniature takes
+them from the data instead, so that one device's numbers can be expected.
+"""
+
+from simulated import DEVICES
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from cases import assert_same_logs, assert_same_weights
+
+import kerasmulti
+
+ROWS, BATCH, FEATURES = 26, 8, 5
+
+
+def _mlp(outputs=1, name=None, activation=None):
+    return keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(outputs, activation=activation)],
+        name=name,
+    )
+
+
+class GuideCompiledLoss(keras.Model):
+    """The guide's first train_step: compile()'s loss and metrics, by hand."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return _update_metrics(self, loss, y, y_pred)
+
+
+def _update_metrics(model, loss, y, y_pred, sample_weight=None):
+    """The guide's loop: the loss tracker gets the loss, the others the labels and predictions."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            metric.update_state(loss)
+        else:
+            metric.update_state(y, y_pred, sample_weight=sample_weight)
+    return {m.name: m.result() for m in model.metrics}
+
+
+class GuideLowLevel(keras.Model):
+    """The guide's second: its own loss, trackers and `metrics`, a step counter."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+        self.steps_taken = keras.Variable(0, dtype="int32", trainable=False, name="steps_taken")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = keras.losses.MeanSquaredError()(y, y_pred)  # a mean over the rows
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.steps_taken.assign_add(1)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+class GuideSampleWeights(keras.Model):
+    """The guide's third: sample weights through compute_loss and compute_metrics."""
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return _update_metrics(self, loss, y, y_pred, sample_weight)
+
+
+class GuideTestStep(keras.Model):
+    """The guide's test_step: evaluate() through compile()'s loss and metrics, by hand."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        return _update_metrics(self, loss, y, y_pred)
+
+
+class ExtraLoss(keras.Model):
+    """compute_loss only: compile()'s loss plus a penalty on the outputs."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.1 * keras.ops.mean(keras.ops.square(y_pred))
+
+
+class Rounded(keras.Model):
+    """predict_step: post-processes each batch's predictions."""
+
+    def predict_step(self, data):
+        x = data[0] if isinstance(data, tuple) else data
+        return {"score": self(x, training=False), "sign": keras.ops.sign(self(x, training=False))}
+
+
+def _functional(cls, seed):
+    keras.utils.set_random_seed(seed)
+    inner = _mlp()
+    inputs = keras.Input((FEATURES,))
+    return cls(inputs, inner(inputs))
+
+
+class GAN(keras.Model):
+    """keras.io's GAN: no call, compile(d_optimizer, g_optimizer, loss_fn), two optimizers a step.
+
+    The latent vectors come with the data (keras.io draws them in the step).
+    """
+
+    def __init__(self, discriminator, generator):
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+        self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    @property
+    def metrics(self):
+        return [self.d_loss_tracker, self.g_loss_tracker]
+
+    def train_step(self, data):
+        real, latent = data
+        fake = self.generator(latent)
+        combined = keras.ops.concatenate([fake, real], axis=0)
+        rows = keras.ops.shape(real)[0]
+        labels = keras.ops.concatenate([keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        gradients = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(gradients, self.discriminator.trainable_weights))
+        with tf.GradientTape() as tape:
+            g_loss = self.loss_fn(keras.ops.zeros((rows, 1)), self.discriminator(self.generator(latent)))
+        gradients = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(gradients, self.generator.trainable_weights))
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(g_loss)
+        return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+class WGANGP(GAN):
+    """keras.io's WGAN-GP: a gradient penalty through a nested tape (interpolation weights from the data)."""
+
+    def train_step(self, data):
+        real, latent = data
+        alpha = keras.ops.linspace(0.1, 0.9, FEATURES)[None, :] * keras.ops.ones_like(real)
+        with tf.GradientTape() as tape:
+            fake = self.generator(latent)
+            interpolated = real + alpha * (fake - real)
+            with tf.GradientTape() as penalty_tape:
+                penalty_tape.watch(interpolated)
+                critic = self.discriminator(interpolated)
+            slopes = penalty_tape.gradient(critic, [interpolated])[0]
+            penalty = keras.ops.mean((keras.ops.sqrt(keras.ops.sum(keras.ops.square(slopes), axis=1)) - 1.0) ** 2)
+            d_loss = keras.ops.mean(self.discriminator(fake)) - keras.ops.mean(self.discriminator(real)) + 10.0 * penalty
+        gradients = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(zip(gradients, self.discriminator.trainable_weights))
+        self.d_loss_tracker.update_state(d_loss)
+        self.g_loss_tracker.update_state(penalty)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class VAE(keras.Model):
+    """keras.io's VAE: reconstruction and KL losses, trackers (the noise from the data)."""
+
+    def __init__(self, encoder, decoder):
+        super().__init__()
+        self.encoder, self.decoder = encoder, decoder
+        self.total_tracker = keras.metrics.Mean(name="total_loss")
+        self.kl_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self):
+        return [self.total_tracker, self.kl_tracker]
+
+    def train_step(self, data):
+        x, noise = data
+        with tf.GradientTape() as tape:
+            moments = self.encoder(x)
+            mean, log_var = moments[:, :2], moments[:, 2:]
+            z = mean + keras.ops.exp(0.5 * log_var) * noise
+            reconstruction = keras.ops.mean(keras.ops.sum(keras.ops.square(x - self.decoder(z)), axis=1))
+            kl = keras.ops.mean(-0.5 * keras.ops.sum(1 + log_var - mean**2 - keras.ops.exp(log_var), axis=1))
+            total = reconstruction + kl
+        gradients = tape.gradient(total, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        self.total_tracker.update_state(total)
+        self.kl_tracker.update_state(kl)
+        return {"total_loss": self.total_tracker.result(), "kl_loss": self.kl_tracker.result()}
+
+
+class Distiller(keras.Model):
+    """keras.io's Distiller: a teacher, a student, compile(optimizer, metrics, student_loss_fn, ...)."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher, self.student = teacher, student
+
+    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn, self.distillation_loss_fn = student_loss_fn, distillation_loss_fn
+        self.alpha, self.temperature = alpha, temperature
+
+    def call(self, x):
+        return self.student(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher = self.teacher(x, training=False)
+        student_loss = self.student_loss_fn(y, y_pred)
+        distillation_loss = self.distillation_loss_fn(
+            keras.ops.softmax(teacher / self.temperature, axis=1), keras.ops.softmax(y_pred / self.temperature, axis=1)
+        ) * (self.temperature**2)
+        return self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+
+
+class SimSiam(keras.Model):
+    """keras.io's SimSiam: two views (given with the data), a predictor, stop_gradient."""
+
+    def __init__(self, encoder, predictor):
+        super().__init__()
+        self.encoder, self.predictor = encoder, predictor
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        first, second = data
+
+        def negative_cosine(p, z):
+            p = keras.ops.normalize(p, axis=1)
+            z = keras.ops.normalize(keras.ops.stop_gradient(z), axis=1)
+            return -keras.ops.mean(keras.ops.sum(p * z, axis=1))
+
+        with tf.GradientTape() as tape:
+            z1, z2 = self.encoder(first), self.encoder(second)
+            loss = 0.5 * negative_cosine(self.predictor(z1), z2) + 0.5 * negative_cosine(self.predictor(z2), z1)
+        variables = self.encoder.trainable_variables + self.predictor.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+def _data(kind):
+    rng = np.random.default_rng()
+    x = rng.normal(size=(ROWS, FEATURES)).astype("float32")
+    y = rng.normal(size=(ROWS, 1)).astype("float32")
+    if kind == "xy":
+        return dict(x=x, y=y)
+    if kind == "weighted":
+        return dict(x=x, y=y, sample_weight=rng.uniform(0.1, 2.0, size=(ROWS,)).astype("float32"))
+    if kind == "pairs":  # (real, latent), two views: a step's `data` is (x, y)
+        return dict(x=x, y=rng.normal(size=(ROWS, FEATURES)).astype("float32"))
+    raise AssertionError(kind)
+
+
+def _gan(cls, seed):
+    keras.utils.set_random_seed(seed)
+    return cls(_mlp(1, "discriminator"), _mlp(FEATURES, "generator"))
+
+
+def _vae(seed):
+    keras.utils.set_random_seed(seed)
+    decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(FEATURES)])
+    return VAE(_mlp(4, "encoder"), decoder)
+
+
+def _distiller(seed):
+    keras.utils.set_random_seed(seed)
+    return Distiller(_mlp(3, "student"), _mlp(3, "teacher"))
+
+
+def _simsiam(seed):
+    keras.utils.set_random_seed(seed)
+    return SimSiam(_mlp(4, "encoder"), keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)], name="predictor"))
+
+
+def _gan_compile(model):
+    model.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.05), keras.losses.BinaryCrossentropy(from_logits=True))
+
+
+def _distiller_compile(model):
+    model.compile(
+        keras.optimizers.SGD(0.1), ["sparse_categorical_accuracy"],
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.KLDivergence(),
+    )
+
+
+def _standard_compile(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+
+
+def _sgd(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.1))
+
+
+# name: (build(seed), compile(model), data kind)
+CASES = {
+    "guide compiled loss": (lambda s: _functional(GuideCompiledLoss, s), _standard_compile, "xy"),
+    "guide low level + step counter": (lambda s: _functional(GuideLowLevel, s), _sgd, "xy"),
+    "guide sample weights": (lambda s: _functional(GuideSampleWeights, s), _standard_compile, "weighted"),
+    "compute_loss": (lambda s: _functional(ExtraLoss, s), _standard_compile, "xy"),
+    "GAN": (lambda s: _gan(GAN, s), _gan_compile, "pairs"),
+    "WGAN-GP": (lambda s: _gan(WGANGP, s), _gan_compile, "pairs"),
+    "VAE": (_vae, _sgd, "vae"),
+    "distiller": (_distiller, _distiller_compile, "labels"),
+    "SimSiam": (_simsiam, _sgd, "pairs"),
+}
+
+
+def _case_data(kind):
+    rng = np.random.default_rng()
+    if kind == "vae":
+        return dict(x=rng.normal(size=(ROWS, FEATURES)).astype("float32"), y=rng.normal(size=(ROWS, 2)).astype("float32"))
+    if kind == "labels":
+        return dict(x=rng.normal(size=(ROWS, FEATURES)).astype("float32"), y=rng.integers(0, 3, size=(ROWS,)))
+    return _data(kind)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_custom_step_trains_with_one_devices_numbers(case):
+    build, compile_, kind = CASES[case]
+    data = _case_data(kind)
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    reference, template = build(7), build(7)
+    compile_(reference)
+    expected = reference.fit(**data, **fit).history
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    compile_(parallel)
+    assert_same_logs(expected, parallel.fit(**data, **fit).history)
+    assert_same_weights(reference, template)
+    if case.startswith("guide low level"):
+        assert int(template.steps_taken.numpy()) == int(reference.steps_taken.numpy()) == 2 * 4
+    if case in ("GAN", "WGAN-GP"):
+        assert int(template.d_optimizer.iterations.numpy()) == int(reference.d_optimizer.iterations.numpy())
+
+
+def test_a_custom_test_step_evaluates_with_one_devices_numbers():
+    data = _data("xy")
+    reference, template = _functional(GuideTestStep, 3), _functional(GuideTestStep, 3)
+    _standard_compile(reference)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    _standard_compile(parallel)
+    expected = reference.evaluate(**data, batch_size=BATCH, verbose=0, return_dict=True)
+    got = parallel.evaluate(**data, batch_size=BATCH, verbose=0, return_dict=True)
+    assert_same_logs(expected, got)
+
+
+def test_a_custom_predict_step_predicts_with_one_devices_numbers():
+    x = _data("xy")["x"]
+    reference, template = _functional(Rounded, 5), _functional(Rounded, 5)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    expected, got = reference.predict(x, batch_size=BATCH, verbose=0), parallel.predict(x, batch_size=BATCH, verbose=0)
+    assert sorted(got) == ["score", "sign"]
+    for key in expected:
+        np.testing.assert_allclose(expected[key], got[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_gan_drawing_its_noise_in_the_step_trains_on_every_replica():
+    class NoisyGAN(GAN):
+        def train_step(self, data):
+            latent = keras.random.normal((keras.ops.shape(data)[0], FEATURES))
+            return super().train_step((data, latent))
+
+    model = _gan(NoisyGAN, 1)
+    before = [w.copy() for w in model.get_weights()]
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    _gan_compile(parallel)
+    history = parallel.fit(_data("xy")["x"], batch_size=BATCH, epochs=1, verbose=0).history
+    assert sorted(history) == ["d_loss", "g_loss"] and all(np.isfinite(v[0]) for v in history.values())
+    assert all(not np.allclose(a, b) for a, b in zip(before, model.get_weights()))
+    # Each optimizer stepped once a batch, not once a replica.
+    assert int(model.d_optimizer.iterations.numpy()) == int(model.g_optimizer.iterations.numpy()) == 4
+
+
+def test_a_loaded_compiled_model_trains_without_a_new_compile(tmp_path):
+    keras.utils.set_random_seed(2)
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    data = _data("xy")
+    model.fit(**data, batch_size=BATCH, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    reference, template = (keras.models.load_model(tmp_path / "m.keras") for _ in range(2))
+    expected = reference.fit(**data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    assert_same_logs(expected, parallel.fit(**data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history)
+    assert_same_weights(reference, template)
+    assert template.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy() == 4 + 8
+
+
+def test_a_mixed_float16_template_gets_loss_scaling():
+    # The template's own policy (not the global one): Keras' compile scales its losses.
+    class Mixed(keras.Model):
+        def __init__(self):
+            super().__init__(dtype="mixed_float16")
+            self.hidden, self.out = keras.layers.Dense(6), keras.layers.Dense(1, dtype="float32")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    def build():
+        keras.utils.set_random_seed(2)
+        model = Mixed()
+        model(np.zeros((1, FEATURES), "float32"))
+        return model
+
+    reference, template = build(), build()
+    reference.compile(optimizer="sgd", loss="mse")
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    assert isinstance(reference.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert isinstance(parallel.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert template.optimizer is parallel.optimizer
+    # And it trains as the template does on one device.
+    data = _data("xy")
+    fit = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    small = dict(x=data["x"], y=1e-6 * data["y"])
+    reference.fit(**small, **fit)
+    parallel.fit(**small, **fit)
+    assert_same_weights(reference, template, atol=1e-3)
+
+
+def test_callbacks_reach_the_templates_own_attributes():
+    model = _functional(GuideLowLevel, 4)
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    seen = []
+
+    class Counter(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(int(self.model.steps_taken.numpy()))
+
+    _sgd(parallel)
+    parallel.fit(**_data("xy"), batch_size=BATCH, epochs=2, verbose=0, callbacks=[Counter()])
+    assert seen == [4, 8]
+    with pytest.raises(AttributeError, match=r"kerasmulti.unwrap\(model\).*Received: name='no_such_thing'"):
+        parallel.no_such_thing  # noqa: B018
+
+
+def test_the_documented_gan_example_runs_and_logs_as_one_device():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "data-parallel.md").read_text()
+    code = page.split("## Custom training steps", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(code, namespace)
+    history = namespace["history"].history
+    assert sorted(history) == ["d_loss", "g_loss"] and all(len(v) == 2 and np.all(np.isfinite(v)) for v in history.values())
+    assert namespace["parallel"].replica_jit_compile is False
+    assert int(namespace["gan"].d_optimizer.iterations.numpy()) == 2 * 4
+
+
+def test_a_model_without_call_is_refused_across_workers(monkeypatch):
+    from kerasmulti._src import parallelize as _parallelize
+
+    monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
+    with pytest.raises(ValueError, match=r"runs data-parallel in one process only.*Received: model='gan.*' with built=False"):
+        kerasmulti.parallelize(_gan(GAN, 1))
+
+
+def test_a_model_without_call_whose_parts_are_unbuilt_is_refused():
+    gan = GAN(keras.Sequential([keras.layers.Dense(1)]), _mlp(FEATURES))
+    with pytest.raises(ValueError, match=r"needs a built model.*Received: model='gan.*' with built=False"):
+        kerasmulti.parallelize(gan, gpus=DEVICES)
