@@ -153,6 +153,17 @@ def _image_data(rng, n):
     return rng.normal(size=(n, 5, 5, 2)).astype("float32") * 3 + 1, rng.normal(size=(n, 1)).astype("float32")
 
 
+def _convnext():
+    """A ConvNeXt block, reduced: its depthwise layer is a grouped convolution."""
+    inputs = keras.Input((5, 5, 2))
+    stem = keras.layers.Conv2D(8, 1)(inputs)
+    h = keras.layers.Conv2D(8, 3, padding="same", groups=8)(stem)
+    h = keras.layers.LayerNormalization(epsilon=1e-6)(h)
+    h = keras.layers.Dense(32, activation="gelu")(h)
+    h = keras.layers.Add()([stem, keras.layers.Dense(8)(h)])
+    return keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(h)))
+
+
 def _rnn():
     return keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)])
 
@@ -176,6 +187,7 @@ CASES = [
     Case("nested", _nested, _regression, _mse_compile),
     Case("batchnorm", _batchnorm, _image_data, _mse_compile),
     Case("rnn", _rnn, _sequence_data, _mse_compile),
+    Case("convnext_block", _convnext, _image_data, _mse_compile),
     Case("loaded", _loaded, _binary, _binary_compile),
 ]
 

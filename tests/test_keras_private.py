@@ -26,6 +26,7 @@ SIGNATURES = {
     "loss_module.squeeze_or_expand_to_same_rank": ["x1", "x2"],
     "loss_module.unscale_loss_for_distribution": ["value"],
     "model_supports_jit": ["model"],
+    "tensorflow_nn.conv": ["inputs", "kernel"],
     "array_data_adapter.can_convert_arrays": ["arrays"],
     "array_data_adapter.ArrayDataAdapter": ["x", "y", "sample_weight", "batch_size", "steps", "shuffle", "class_weight"],
     "array_slicing.train_validation_split": ["arrays", "validation_split"],

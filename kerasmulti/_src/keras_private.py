@@ -51,6 +51,13 @@ from keras.src.backend.common import global_state
 # nor writes; replica outputs are merged with theirs.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
+# Keras' TensorFlow convolution: for a grouped convolution (ConvNeXt's
+# depthwise layers) its `conv` runs an XLA function that reads the kernel
+# variable itself, which XLA refuses on a replica's device (the variable lives
+# on the first). `replicas.py` has it read the kernel first; no public
+# name reaches that path.
+from keras.src.backend.tensorflow import nn as tensorflow_nn
+
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
 # loss reduces through, so a replica's share of the batch's loss is patched in
 # there (`loss_parts.py`); the other helpers are the ones that function uses.
@@ -144,6 +151,11 @@ def flatten_layers(layer, include_self: bool = True) -> list:
 def seed_generators(layer) -> list:
     """The `SeedGenerator`s a layer (Dropout, noise) owns: their states are variables."""
     return list(getattr(layer, "_seed_generators", []))
+
+
+def own_metrics(layer) -> list:
+    """The metrics a layer holds as attributes (`Layer._metrics`), not its sublayers'."""
+    return list(getattr(layer, "_metrics", []))
 
 
 def added_losses(layer) -> list:
@@ -365,6 +377,7 @@ __all__ = [
     "optimizer_strategy",
     "optimizer_trainable_variables",
     "reinitialize",
+    "own_metrics",
     "seed_generators",
     "set_sequential_layers",
     "keras_is_deserialising",
@@ -390,4 +403,5 @@ __all__ = [
     "record",
     "saving_lib",
     "set_keras_mask",
+    "tensorflow_nn",
 ]

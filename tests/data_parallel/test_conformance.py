@@ -10,6 +10,7 @@ BatchNormalization under XLA normalises per replica, which
 from simulated import DEVICES
 
 import os
+import warnings
 import zlib
 
 import keras
@@ -221,3 +222,75 @@ def test_a_model_without_trainable_weights_is_warned_about_like_keras():
     x, y = np.random.default_rng(11).normal(size=(8, 3)), np.zeros((8, 2))
     with pytest.warns(UserWarning, match="does not have any trainable weights"):
         parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+class RecordingSGD(keras.optimizers.SGD):
+    """Records the types of the gradients it is given (once per trace)."""
+
+    def apply(self, grads, trainable_variables=None):
+        self.kinds = [type(g).__name__ for g in grads]
+        return super().apply(grads, trainable_variables)
+
+
+def test_an_embeddings_gradient_reaches_the_optimizer_sparse_as_on_one_device():
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential(
+            [keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 3), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)]
+        )
+
+    rng = np.random.default_rng()
+    x, y = rng.integers(0, 50, size=(10, 4)), rng.normal(size=(10, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer=RecordingSGD(0.1), loss="mse")
+    expected = reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    assert_same_logs(expected, parallel.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history)
+    assert_same_weights(reference, template)
+    assert reference.optimizer.kinds[0] == parallel.optimizer.kinds[0] == "IndexedSlices"
+
+
+def test_a_keras_warning_is_shown_once_a_call_not_once_a_replica():
+    # Keras warns about an input key the model does not take; its message names
+    # each replica's sub-batch, so Python alone would show it once per replica.
+    inputs = keras.Input((4,), name="a")
+    model = keras.Model({"a": inputs}, keras.layers.Dense(2)(inputs))
+    x = {"a": np.zeros((8, 4), "float32"), "b": np.zeros((8, 1), "float32")}
+    shown = {}
+    for name, predicting in (("one device", model), ("parallel", kerasmulti.parallelize(model, gpus=DEVICES))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            predicting.predict(x, batch_size=8, verbose=0)
+        shown[name] = [str(w.message).split("\n")[0] for w in caught if "structure of `inputs`" in str(w.message)]
+    assert len(shown["one device"]) == len(shown["parallel"]) == 1
+
+
+class ActivationMean(keras.layers.Layer):
+    """A layer that tracks a metric of its inputs, reported in the model's logs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.activation_mean = keras.metrics.Mean(name="activation_mean")
+
+    def call(self, x):
+        self.activation_mean.update_state(x)
+        return x
+
+
+def test_metrics_the_templates_layers_hold_are_the_parallel_models_and_logged_as_on_one_device():
+    def build():
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(1)(ActivationMean()(keras.layers.Dense(3)(inputs))))
+
+    rng = np.random.default_rng()
+    # Every batch splits into sub-batches of 2 rows: no replica is idle (see docs/limitations.md).
+    x, y = rng.normal(size=(12, 4)).astype("float32"), rng.normal(size=(12, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer="sgd", loss="mse")
+    assert [m.name for m in parallel.metrics] == [m.name for m in reference.metrics] == ["loss", "activation_mean"]
+    fit = dict(batch_size=2 * DEVICES, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)

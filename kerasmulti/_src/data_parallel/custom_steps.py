@@ -205,7 +205,7 @@ def _optimizers(template) -> list:
 def _metrics(template) -> list:
     found = []
     for metric in list(template.metrics) + [m for layer in keras_private.flatten_layers(template)
-                                             for m in getattr(layer, "_metrics", [])]:
+                                             for m in keras_private.own_metrics(layer)]:
         if all(metric is not m for m in found):
             found.append(metric)
     return found

@@ -154,7 +154,16 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
     def metrics(self):
         if self.__dict__.get("_custom") is not None:
             return self._template.metrics  # what the template's own steps update
-        return super().metrics
+        # Keras leaves out the metrics of a nested model (the template): those
+        # its layers hold (a layer that tracks its activations) are reported,
+        # as on one device; its compiled ones are this model's own.
+        metrics = super().metrics
+        template = self.__dict__.get("_template")
+        if template is not None:
+            for layer in keras_private.flatten_layers(template):
+                if layer is template or not isinstance(layer, keras.Model):
+                    metrics += [m for m in keras_private.own_metrics(layer) if all(m is not n for n in metrics)]
+        return metrics
 
     def __getattr__(self, name):
         """Attributes the template's own class or the user gave it (a callback's `self.model.counter`).

@@ -12,15 +12,22 @@ threads meet where they need each other's values (`cross_replica_sum`).
 
 Synchronised BatchNormalization (`sync_batchnorm.py`) and the per-replica
 loss lists (`replica_losses.py`) are built on these meetings.
+
+While replicas are traced, Keras' TensorFlow `conv` reads its kernel before
+its XLA path (grouped convolutions: ConvNeXt), which XLA would refuse to read
+from another device (`kernels_read_on_the_replica`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Callable
 
 import tensorflow as tf
+
+from kerasmulti._src import keras_private
 
 _local = threading.local()
 
@@ -100,6 +107,40 @@ def _run_one(i: int, device: str, fn: Callable, sync):
         _local.replica, _local.sync = 0, None
 
 
+class _KernelsReadOnTheReplica:
+    """Keras' TensorFlow `conv`, reading a variable kernel before it calls the original.
+
+    Installed while any replicas are traced (counted, as replicas nest and
+    run on threads), and Keras' own function put back after the last.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._original = None
+
+    def _conv(self, inputs, kernel, *args, **kwargs):
+        return self._original(inputs, tf.convert_to_tensor(kernel), *args, **kwargs)
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._users == 0:
+                self._original = keras_private.tensorflow_nn.conv
+                keras_private.tensorflow_nn.conv = self._conv
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    keras_private.tensorflow_nn.conv = self._original
+
+
+kernels_read_on_the_replica = _KernelsReadOnTheReplica()
+
+
 def run(
     devices: list[str], fn: Callable, synchronized: bool = False, variables=()
 ) -> list:
@@ -112,6 +153,33 @@ def run(
     graph's capture bookkeeping is not thread-safe, and two threads capturing
     one variable at once leave an unfed placeholder behind.
     """
+    with kernels_read_on_the_replica(), _warnings_once():
+        return _run(devices, fn, synchronized, variables)
+
+
+@contextlib.contextmanager
+def _warnings_once():
+    """Inside: a warning every replica gives (Keras' about an input's structure) is shown once.
+
+    Keras' messages name the replica's tensors, so Python's own once-per-place
+    rule would show one per replica. Warnings are recorded while the
+    replicas run and shown afterwards, each first line once, where it was given.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # recorded here; the user's filters apply when shown
+        try:
+            yield
+        finally:
+            given = list(caught)
+    shown = set()
+    for warning in given:
+        key = (warning.category, str(warning.message).split("\n", 1)[0])
+        if key not in shown:
+            shown.add(key)
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def _run(devices: list[str], fn: Callable, synchronized: bool, variables) -> list:
     if not synchronized or len(devices) == 1:
         return [_run_one(i, d, fn, None) for i, d in enumerate(devices)]
     rendezvous = _Rendezvous(len(devices))

@@ -204,10 +204,22 @@ def _concat(pieces, shards):
 
 
 def sum_gradients(gradients):
-    """Sums one variable's gradients from all replicas (None where none has one)."""
-    present = [
-        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-        for g in gradients
-        if g is not None
-    ]
-    return tf.add_n(present) if present else None
+    """Sums one variable's gradients from all replicas (None where none has one).
+
+    Sparse gradients (an `Embedding`'s rows, as `IndexedSlices`) stay sparse:
+    the replicas' rows are joined, and rows that repeat add up where the
+    optimizer applies them, as the repeated rows of one device's gradient do.
+    A large table then gets no dense update a step.
+    """
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return None
+    if all(isinstance(g, tf.IndexedSlices) for g in present):
+        if len(present) == 1:
+            return present[0]
+        return tf.IndexedSlices(
+            tf.concat([g.values for g in present], axis=0),
+            tf.concat([g.indices for g in present], axis=0),
+            present[0].dense_shape,
+        )
+    return tf.add_n([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in present])
