@@ -343,11 +343,13 @@ def _case_data(kind):
     return _data(kind)
 
 
+# 8 rows split 3, 3, 2 (and the last batch, 2 rows, leaves a replica idle); 6 rows split evenly.
+@pytest.mark.parametrize("batch_size", [BATCH, 2 * DEVICES], ids=["uneven", "even"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_custom_step_trains_with_one_devices_numbers(case):
+def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size):
     build, compile_, kind = CASES[case]
     data = _case_data(kind)
-    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     reference, template = build(7), build(7)
     compile_(reference)
     expected = reference.fit(**data, **fit).history
@@ -356,7 +358,7 @@ def test_a_custom_step_trains_with_one_devices_numbers(case):
     assert_same_logs(expected, parallel.fit(**data, **fit).history)
     assert_same_weights(reference, template)
     if case.startswith("guide low level"):
-        assert int(template.steps_taken.numpy()) == int(reference.steps_taken.numpy()) == 2 * 4
+        assert int(template.steps_taken.numpy()) == int(reference.steps_taken.numpy()) == 2 * -(-ROWS // batch_size)
     if case in ("GAN", "WGAN-GP"):
         assert int(template.d_optimizer.iterations.numpy()) == int(reference.d_optimizer.iterations.numpy())
 
@@ -487,3 +489,29 @@ def test_a_model_without_call_whose_parts_are_unbuilt_is_refused():
     gan = GAN(keras.Sequential([keras.layers.Dense(1)]), _mlp(FEATURES))
     with pytest.raises(ValueError, match=r"needs a built model.*Received: model='gan.*' with built=False"):
         kerasmulti.parallelize(gan, gpus=DEVICES)
+
+
+def test_asking_for_xla_on_a_custom_step_is_warned_about_and_runs_uncompiled():
+    parallel = kerasmulti.parallelize(_functional(GuideCompiledLoss, 2), gpus=DEVICES)
+    with pytest.warns(UserWarning, match=r"runs its own steps, on uncompiled replicas.*Received: jit_compile=True") as record:
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert record[0].filename == __file__  # the warning points at the user's line
+    assert parallel.replica_jit_compile is False
+    history = parallel.fit(**_data("xy"), batch_size=BATCH, verbose=0).history
+    assert np.isfinite(history["loss"][0])
+
+
+def test_a_gan_without_call_is_checkpointed_once_marked_built(tmp_path):
+    # As with Keras' own callbacks on one device: refused while unbuilt, saved once marked built.
+    gan = _gan(GAN, 1)
+    parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+    _gan_compile(parallel)
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "gan.weights.h5"), save_weights_only=True)
+    with pytest.raises(ValueError, match="not yet been built"):
+        parallel.fit(**_data("pairs"), batch_size=BATCH, verbose=0, callbacks=[checkpoint])
+    gan.built = True
+    parallel.fit(**_data("pairs"), batch_size=BATCH, verbose=0, callbacks=[checkpoint])
+    twin = _gan(GAN, 2)
+    twin.built = True
+    twin.load_weights(tmp_path / "gan.weights.h5")
+    assert_same_weights(gan, twin, atol=0)
