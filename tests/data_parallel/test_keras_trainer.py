@@ -1,9 +1,10 @@
 """Keras' own training tests, ported to run on a parallel model beside a one-device twin.
 
-A selection from Keras 3.15's `keras/src/trainers/trainer_test.py` (the test's
-name is kept in each docstring): the custom steps, metric tracking, loss
-scaling, compute_loss overrides, recompiling, callbacks that update the model,
-loss weights, constraints and added losses. Keras' models there mix a
+25 of the 62 tests of Keras 3.15's `keras/src/trainers/trainer_test.py`, under
+their names: the fit, evaluate and predict flows (eager, graph, XLA), the
+custom steps, metric tracking, loss scaling, compute_loss overrides,
+recompiling, the on-batch methods with sample and class weights, callbacks that
+update the model or stop the loop, loss weights, constraints and added losses. Keras' models there mix a
 `Trainer` into a layer; here they are `keras.Model`s with the same layers,
 built on a batch first (`parallelize` needs weights to share). Each test runs
 the Keras test's body on `parallelize(model, gpus=3)` and, where Keras checks
@@ -381,3 +382,133 @@ def test_loss_weights():
     # Keras: the loss is 0.2 of the unweighted metric.
     np.testing.assert_allclose(history["loss"], np.asarray(history["mean_squared_error"]) * 0.2, rtol=1e-5)
     assert_same_logs(expected, history)
+
+
+class StructModel(keras.Model):
+    """Keras' `StructModel`: dict inputs and outputs."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.dense_1 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+        self.dense_2 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+
+    def call(self, x):
+        return {"y_one": self.dense_1(x["x_one"]), "y_two": self.dense_2(x["x_two"])}
+
+
+FLOWS = [(True, False), (False, False), (False, True)]
+FLOW_IDS = ["eager", "graph_fn", "jit"]
+
+
+@pytest.mark.parametrize("use_steps_per_epoch", [False, True], ids=["epochs", "steps_per_epoch"])
+@pytest.mark.parametrize("run_eagerly, jit_compile", FLOWS, ids=FLOW_IDS)
+def test_fit_flow(run_eagerly, jit_compile, use_steps_per_epoch):
+    reference, parallel = _twins(lambda: ExampleModel(units=3), 4)
+    x, y = np.ones((100, 4)), np.zeros((100, 3))
+    for model in (reference, parallel):
+        model.compile(optimizer=keras.optimizers.SGD(), loss=keras.losses.MeanSquaredError(),
+                      metrics=[keras.metrics.MeanSquaredError()], run_eagerly=run_eagerly, jit_compile=jit_compile)
+    fit = dict(batch_size=20, steps_per_epoch=7 if use_steps_per_epoch else None, epochs=3, verbose=0)
+    expected, history = (m.fit(x, y, **fit).history for m in (reference, parallel))
+    np.testing.assert_allclose(history["mean_squared_error"], [14.5, 11.5, 8.5], atol=1.0)  # Keras' figures
+    assert_same_logs(expected, history)
+
+
+@pytest.mark.parametrize("run_eagerly, jit_compile", FLOWS, ids=FLOW_IDS)
+def test_evaluate_flow(run_eagerly, jit_compile):
+    parallel = kerasmulti.parallelize(_built(ExampleModel(units=3), 4), gpus=DEVICES)
+    parallel.compile(optimizer=keras.optimizers.SGD(), loss=keras.losses.MeanSquaredError(),
+                     metrics=[keras.metrics.MeanSquaredError()], run_eagerly=run_eagerly, jit_compile=jit_compile)
+    x, y = np.ones((100, 4)), np.zeros((100, 3))
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=16, verbose=0), [16.0, 16.0])
+    output = parallel.evaluate(x, y, batch_size=16, return_dict=True, verbose=0)
+    assert sorted(output) == ["loss", "mean_squared_error"]
+    np.testing.assert_allclose(output["mean_squared_error"], 16.0)
+
+
+@pytest.mark.parametrize("run_eagerly, jit_compile", FLOWS, ids=FLOW_IDS)
+def test_predict_flow_struct(run_eagerly, jit_compile):
+    template = StructModel(units=3)
+    x = {"x_one": np.ones((100, 4)), "x_two": np.ones((100, 4))}
+    template(x)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.run_eagerly, parallel.jit_compile = run_eagerly, jit_compile
+    outputs = parallel.predict(x, batch_size=16, verbose=0)
+    assert sorted(outputs) == ["y_one", "y_two"]
+    for key in outputs:
+        np.testing.assert_allclose(outputs[key], 4 * np.ones((100, 3)))
+
+
+@pytest.mark.parametrize("run_eagerly, jit_compile", FLOWS, ids=FLOW_IDS)
+def test_on_batch_methods(run_eagerly, jit_compile):
+    parallel = kerasmulti.parallelize(_built(ExampleModel(units=3), 4), gpus=DEVICES)
+    x, y = np.ones((100, 4)), np.zeros((100, 3))
+    sw = np.arange(100).reshape((100,)).astype("float32") / 50.0
+    parallel.compile(optimizer=keras.optimizers.SGD(), loss=keras.losses.MeanSquaredError(),
+                     metrics=[keras.metrics.MeanSquaredError()], run_eagerly=run_eagerly, jit_compile=jit_compile)
+    logs = parallel.train_on_batch(x, y)
+    assert isinstance(logs, list) and len(logs) == 2
+    np.testing.assert_allclose(logs[0], 16.0, rtol=1e-6)
+    np.testing.assert_allclose(parallel.train_on_batch(x, y, return_dict=True)["loss"], 15.158, atol=1e-3)
+    np.testing.assert_allclose(parallel.test_on_batch(x, y)[0], 14.360, atol=1e-3)
+    np.testing.assert_allclose(parallel.test_on_batch(x, y, return_dict=True)["loss"], 14.360, atol=1e-3)
+    output = parallel.predict_on_batch(x)
+    assert isinstance(output, np.ndarray)
+    np.testing.assert_allclose(output[0], [3.789511] * 3, rtol=1e-5)
+    # With sample weights, then class weights.
+    np.testing.assert_allclose(parallel.train_on_batch(x, y, sw)[0], 14.217, atol=1e-3)
+    np.testing.assert_allclose(parallel.test_on_batch(x, y, sw)[0], 13.476, atol=1e-3)
+    np.testing.assert_allclose(parallel.predict_on_batch(x)[0], [3.689468] * 3, rtol=1e-5)
+    np.testing.assert_allclose(parallel.train_on_batch(x, y, class_weight={1: 0.3, 0: 0.2})[0], 2.722, atol=1e-3)
+
+
+def test_fit_and_evaluate_with_different_batch_size_same_loss():
+    x, y = np.random.rand(100, 4), np.ones((100, 1))
+    template = _built(ExampleModel(units=1), 4)
+    template.trainable = False
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(loss="mse")
+    losses = [parallel.fit(x, y, batch_size=b, verbose=0).history["loss"] for b in (80, 100)]
+    np.testing.assert_allclose(*losses, rtol=1e-6)
+    np.testing.assert_allclose(*(parallel.evaluate(x, y, batch_size=b, verbose=0) for b in (80, 100)), rtol=1e-6)
+
+
+def test_partial_loss_partial_label():
+    inputs = keras.Input((2,))
+    x = keras.layers.Dense(3, kernel_initializer="ones")(inputs)
+    partial = kerasmulti.parallelize(keras.Model(inputs, [x, x, x]), gpus=DEVICES)
+    partial.compile(loss=["mse", None, None])
+    full = kerasmulti.parallelize(keras.Model(inputs, [x, x, x]), gpus=DEVICES)
+    full.compile(loss=["mse", "mse", "mse"])
+    eval_x, eval_y = np.ones((32, 2)), np.ones((32, 3))
+    partial_logs = partial.evaluate(eval_x, eval_y, return_dict=True, verbose=0)
+    logs = full.evaluate(eval_x, [eval_y] * 3, return_dict=True, verbose=0)
+    np.testing.assert_allclose(partial_logs["loss"] * 3, logs["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "method, gerund, on_end", [("fit", "training", "train"), ("evaluate", "evaluating", "test"), ("predict", "predicting", "predict")]
+)
+def test_stop_loop(method, gerund, on_end):
+    parallel = kerasmulti.parallelize(_built(ExampleModel(units=3), 2), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse", metrics=["mse"])
+
+    class Stopper(keras.callbacks.Callback):
+        def __init__(self, stop_count):
+            super().__init__()
+            self.stop_count, self.counter = stop_count, 0
+            setattr(self, f"on_{on_end}_batch_end", self.batch_end)
+
+        def batch_end(self, *args, **kwargs):
+            self.counter += 1
+            if self.counter == self.stop_count:
+                setattr(self.model, f"stop_{gerund}", True)
+
+    def infinite():
+        while True:
+            x, y = np.ones((2, 2)), np.ones((2, 3))
+            yield (x,) if method == "predict" else (x, y)
+
+    stopper = Stopper(5)
+    getattr(parallel, method)(infinite(), callbacks=[stopper], verbose=0)
+    assert stopper.counter == 5
