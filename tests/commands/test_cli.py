@@ -63,6 +63,15 @@ def test_demo_refuses_more_devices_than_exist_without_a_traceback():
     assert "Received: gpus=5" in result.stderr
 
 
+def test_demo_refuses_an_output_that_is_a_file_before_training(tmp_path):
+    (tmp_path / "model").write_text("not a folder")
+    result = _kerasmulti("demo", "--output", str(tmp_path / "model"))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "epoch" not in result.stdout
+    assert f"is a file. Pass a folder (it is made if missing). Received: output='{tmp_path / 'model'}'" in result.stderr
+    assert (tmp_path / "model").read_text() == "not a folder"
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("predict")

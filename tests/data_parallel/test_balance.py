@@ -285,7 +285,12 @@ def test_the_monitor_refuses_a_model_it_cannot_measure():
         model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0, callbacks=[kerasmulti.ThroughputMonitor()])
 
 
-@pytest.mark.parametrize("baseline", [0, -5.0, "fast"])
+@pytest.mark.parametrize("baseline", [0, -5.0, "fast", float("inf"), float("nan"), True])
 def test_a_bad_baseline_is_refused(baseline):
     with pytest.raises(ValueError, match=f"baseline must be a positive number.*Received: baseline={baseline!r}"):
         kerasmulti.ThroughputMonitor(baseline=baseline)
+
+
+@pytest.mark.parametrize("baseline", [100, 100.0, np.float32(100.0), np.int64(100)], ids=str)
+def test_a_baseline_of_any_real_number_type_is_taken(baseline):
+    assert kerasmulti.ThroughputMonitor(baseline=baseline).baseline == 100.0

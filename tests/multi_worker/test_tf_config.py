@@ -116,6 +116,13 @@ def test_every_task_of_a_slurm_step_is_the_worker_at_its_own_address(monkeypatch
         assert hosts[indices[rank]] == f"{node}:{2222 + placed[:rank].count(node)}"
 
 
+@pytest.mark.parametrize("rank", ["5", "2", "-1"])
+def test_a_slurm_rank_outside_the_steps_tasks_is_refused(monkeypatch, rank):
+    _slurm_step(monkeypatch, rank)
+    with pytest.raises(LaunchError, match=rf"rank is not one of the job step's 2 task\(s\) \(0 to 1\).*Received: SLURM_PROCID='{rank}'"):
+        _tf_config.slurm_tf_config()
+
+
 def test_a_slurm_task_on_a_node_outside_its_step_is_refused(monkeypatch):
     _slurm_step(monkeypatch, 1, nodes="node[1-2]", tasks_per_node="1(x2)", SLURMD_NODENAME="node2.cluster", SLURM_LOCALID="0")
     with pytest.raises(LaunchError, match=r"not among the job step's nodes \(node1, node2\).*Received: SLURMD_NODENAME='node2.cluster'"):

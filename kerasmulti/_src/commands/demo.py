@@ -103,6 +103,12 @@ def _report_throughput(one: list, many: list, devices: int, others) -> None:
 
 def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasmulti-demo") -> int:
     """Runs the demo; returns the process exit code."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ValueError(
+            f"demo --output names the folder the trained model is saved in, but {output} is a file. "
+            f"Pass a folder (it is made if missing). Received: output={output!r}"
+        )
+    os.makedirs(output, exist_ok=True)  # before training: a folder it cannot make fails now
     (x_train, y_train), (x_test, y_test) = _digits()
     model = _convnet(seed=42)
     parallel = parallelize(model, gpus=gpus)
@@ -132,7 +138,6 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
     one, many, others = _throughputs(single, parallel, devices[0], batches, len(x_train))
     _report_throughput(one, many, len(devices), others)
 
-    os.makedirs(output, exist_ok=True)
     path = os.path.join(output, "digits_convnet.keras")
     parallel.save(path)
     reloaded = keras.models.load_model(path)

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.utils.arguments import is_positive_finite
 
 
 class ThroughputMonitor(keras.callbacks.Callback):
@@ -67,12 +68,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def __init__(self, baseline: float | None = None, verbose: int = 1):
         super().__init__()
-        if baseline is not None and not (isinstance(baseline, (int, float)) and baseline > 0):
+        if baseline is not None and not is_positive_finite(baseline):
             raise ValueError(
                 "baseline must be a positive number of samples per second on one device. "
                 f"Received: baseline={baseline!r}"
             )
-        self.baseline = baseline
+        self.baseline = None if baseline is None else float(baseline)
         self.verbose = verbose
         self.records: list[dict] = []
         self._log_dir = None  # set by ParallelModel.fit when a TensorBoard callback is given

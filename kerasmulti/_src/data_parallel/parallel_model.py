@@ -176,10 +176,12 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         """Attributes the template's own class or the user gave it (a callback's `self.model.counter`).
 
         Called only when this model has no such attribute. Keras' own
-        attributes are not forwarded: the parallel model has its own.
+        attributes and private names are not forwarded: the parallel model
+        has its own, and Keras probes a model for private ones (a functional
+        template's graph) that must not seem to be this model's.
         """
         template = self.__dict__.get("_template")
-        if template is None or name.startswith("__"):
+        if template is None or name.startswith("_"):
             raise AttributeError(name)
         if name in vars(template) or _defined_by_user_class(type(template), name):
             return getattr(template, name)

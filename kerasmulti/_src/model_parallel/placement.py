@@ -76,7 +76,8 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     Raises:
         TypeError: If `model` is not a `keras.Model`, `mapping` not a
             mapping, or a device name in it not a string.
-        ValueError: If an old device name is not a device name.
+        ValueError: If an old device name is not a device name, or the
+            mapping names none of the devices the model's layers run on.
         DeviceError: If a new device does not exist on this machine.
 
     Example:
@@ -105,8 +106,15 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
             f"{{'/gpu:1': '/gpu:0'}}. Received: mapping={mapping!r}"
         )
     moves = {_old_device(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
-    for layer in keras_private.flatten_layers(model, include_self=False):
-        if isinstance(layer, OnDevice) and layer.device in moves:
+    placed = [layer for layer in keras_private.flatten_layers(model, include_self=False) if isinstance(layer, OnDevice)]
+    if not any(layer.device in moves for layer in placed):
+        on = ", ".join(sorted({layer.device for layer in placed})) or "no device: it has no placed layers"
+        raise ValueError(
+            f"remap_devices() found no layer to move: the model's placed layers run on {on}, and the "
+            f"mapping names none of these devices. Map the devices the model runs on. Received: mapping={mapping!r}"
+        )
+    for layer in placed:
+        if layer.device in moves:
             layer.device = moves[layer.device]
     # Traced steps keep the old devices: fit/evaluate/predict's, and
     # parallel_predict's (kept with the model, or with a parallel model).

@@ -205,6 +205,13 @@ def slurm_tf_config(port: int | None = None) -> str:
         ) from None
     node, local = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_LOCALID")
     if node is None or local is None:
+        if not isinstance(resolver.task_id, int) or not 0 <= resolver.task_id < len(hosts):
+            # The resolver gives no index to a rank outside the step's tasks.
+            raise LaunchError(
+                f"This SLURM task's rank is not one of the job step's {len(hosts)} task(s) (0 to "
+                f"{len(hosts) - 1}); run `kerasmulti launch` under srun, one task per worker, in one "
+                f"job step. Received: SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}"
+            )
         return tf_config(hosts, resolver.task_id)
     # The resolver takes the nodes in name order (node10 before node9) and
     # gives ranks in that order, which is not always where srun placed them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -15,3 +16,13 @@ def is_int(value) -> bool:
 def is_positive_int(value) -> bool:
     """True for an int of at least 1; False for bools, floats and anything else."""
     return is_int(value) and value >= 1
+
+
+def is_positive_finite(value) -> bool:
+    """True for a real number above 0 and below infinity, numpy's included; False for bools."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, (bool, np.bool_))
+        and math.isfinite(value)
+        and value > 0
+    )
