@@ -104,8 +104,15 @@ def test_xla_is_refused_where_it_cannot_hold_with_the_reason():
     with kerasmulti.device_scope("/cpu:1"):
         hidden = keras.layers.Dense(2)(inputs)
     placed = kerasmulti.parallelize(keras.Model(inputs, keras.layers.Dense(1)(hidden)), gpus=2)
-    with pytest.raises(ValueError, match=r"do not support XLA \(layers placed.*Received: jit_compile=True"):
+    with pytest.raises(ValueError, match=r"not supporting XLA: .*\(OnDevice\).*Received: jit_compile=True"):
         placed.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    # A layer Keras runs outside XLA, not a placed one, is named as such.
+    tokens = keras.Input((1,), dtype="string")
+    ids = keras.layers.StringLookup(vocabulary=["a", "b"], name="lookup")(tokens)
+    lookup = kerasmulti.parallelize(keras.Model(tokens, keras.layers.Embedding(3, 2)(ids)), gpus=2)
+    with pytest.raises(ValueError, match=r"not supporting XLA: lookup \(StringLookup\)\. .*Received: jit_compile=True") as raised:
+        lookup.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert "device_scope" not in str(raised.value)
     with pytest.raises(ValueError, match=r"must be True, False or 'auto'.*Received: jit_compile='yes'"):
         kerasmulti.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), gpus=2).compile(
             optimizer="sgd", loss="mse", jit_compile="yes"

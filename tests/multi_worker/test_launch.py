@@ -206,6 +206,15 @@ def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
     assert "this value cannot be rebuilt" in result.stdout and "Received: error=ValueError" in result.stdout
 
 
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
+def test_a_value_a_worker_cannot_pickle_is_a_clear_error():
+    result = _notebook_launch("unpicklable")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "launch raised: Worker " in result.stdout
+    assert "finished, but its return value cannot be pickled to send it back" in result.stdout
+    assert "Received: exitcode=3" in result.stdout and "pickle" in result.stdout.split("launch raised")[0].lower()
+
+
 def test_stopping_the_launcher_stops_its_workers():
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     environment.pop("TF_CONFIG", None)

@@ -3,7 +3,8 @@
 `notebook_launch.py ok`: two workers train, each returns its weights; prints
 "same weights" when they agree. `notebook_launch.py fail`: worker 1 raises;
 `notebook_launch.py unloadable`: the workers return a value that cannot be
-unpickled here. Both print the error launch() raised.
+unpickled here; `unpicklable`: one that cannot be pickled there (a lambda). Each
+prints the error launch() raised.
 """
 
 import sys
@@ -23,6 +24,8 @@ class Unloadable:
 def train(mode):
     if mode == "unloadable":
         return Unloadable()
+    if mode == "unpicklable":
+        return lambda: "a function cannot be sent back"
     import keras
     import numpy as np
 

@@ -86,7 +86,13 @@ def _blockers(template) -> str:
             "whose statistics need every replica, which a compiled replica cannot reach"
         )
     if not model_supports_jit(template):
-        return "the model has layers that do not support XLA (layers placed with device_scope or on_device)"
+        unsupported = [layer for layer in keras_private.flatten_layers(template) if not layer.supports_jit]
+        if not unsupported:
+            # Keras' other reasons: op determinism on, or a Mac's GPU.
+            return "Keras turns XLA off for this model on this machine (op determinism, or a Mac's GPU)"
+        # OnDevice: a layer placed with device_scope or on_device.
+        named = ", ".join(f"{layer.name} ({type(layer).__name__})" for layer in unsupported)
+        return f"layers that Keras marks as not supporting XLA: {named}"
     return ""
 
 

@@ -22,6 +22,9 @@ from typing import Any, Callable, Sequence
 from kerasmulti._src.multi_worker.supervisor import run_cluster
 from kerasmulti._src.multi_worker.tf_config import LaunchError, check_workers, gpus_per_worker, physical_gpus, worker_environment
 
+# A worker's exit code when its function returned a value that cannot be pickled.
+UNSENDABLE = 3
+
 
 def launch(
     function: Callable[..., Any],
@@ -111,6 +114,13 @@ def launch(
         return _Forked(process), os.fdopen(read_fd, "r", errors="replace")
 
     processes, failed = run_cluster(start, workers, sys.stdout)
+    if failed is not None and processes[failed].returncode == UNSENDABLE:
+        raise RuntimeError(
+            f"Worker {failed} finished, but its return value cannot be pickled to send it back "
+            f"(the reason is above, prefixed [worker {failed}]). Return plain data (numbers, "
+            "lists, dicts, arrays), e.g. history.history or model.get_weights(), not a function "
+            f"or a model. Received: exitcode={UNSENDABLE}"
+        )
     if failed is not None:
         raise RuntimeError(
             f"Worker {failed} of {workers} failed (its output is above, prefixed "
@@ -186,11 +196,15 @@ def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:
     _cluster.start()  # a worker whose port was taken exits here, to be started again
     try:
         value = function(*args)
-        results.send(value)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
         os._exit(1)
+    try:
+        results.send(value)  # pickled whole before a byte is sent
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}", flush=True)
+        os._exit(UNSENDABLE)
     sys.stdout.flush()
     os._exit(0)
 
