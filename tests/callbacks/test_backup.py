@@ -118,6 +118,21 @@ def test_a_damaged_backup_without_a_previous_one_stops_naming_the_file(tmp_path,
         _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
 
 
+def test_resuming_a_changed_model_is_refused_naming_the_backup_and_the_fix(tmp_path):
+    folder = str(tmp_path / "backup")
+    _interrupted(kerasmulti.ParallelBackupAndRestore(folder))
+    before = {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)}
+    _, changed, x, y = _setup(outputs=2)  # the last layer has 2 units now, not 1
+    with pytest.raises(ValueError) as raised:
+        changed.fit(x, y, epochs=2, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(folder)])
+    message = str(raised.value)
+    assert "cannot resume from" in message and "latest.weights.h5" in message
+    assert "variable.shape=(8, 2), Received: value.shape=(8, 1)" in message
+    assert f"delete '{folder}' or pass another backup_dir" in message and message.endswith(f"Received: backup_dir={folder!r}")
+    assert "Target variable" not in message  # Keras' dump of the values is left out
+    assert {name: open(os.path.join(folder, name), "rb").read() for name in os.listdir(folder)} == before
+
+
 def test_both_backups_damaged_stops_naming_both(tmp_path):
     _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
     _damage(tmp_path / "latest.weights.h5")

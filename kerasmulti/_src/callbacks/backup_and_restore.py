@@ -168,6 +168,15 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                     self.model.load_weights(copy)
         except OSError as error:
             raise _Damaged(weights, error) from error
+        except ValueError as error:
+            # Keras' message ends with a dump of the variable's values.
+            reason = " ".join(str(error).split("Target variable:")[0].split())[:400]
+            raise ValueError(
+                f"ParallelBackupAndRestore cannot resume from '{weights}': the backup does not fit the "
+                f"model being trained, which changed since it was written ({reason}). Build the model as "
+                f"it was to resume, or, to start over with the new one, delete '{self.backup_dir}' or pass "
+                f"another backup_dir. The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
+            ) from None
         return epoch
 
     def _save_model(self):
