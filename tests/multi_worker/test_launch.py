@@ -60,6 +60,15 @@ def test_a_worker_killed_by_a_signal_exits_as_a_shell_would():
     result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "kill-1", "hang-0")
     assert result.returncode == 128 + 9
     assert "worker 1 failed with exit code 137; stopped the others" in result.stdout
+    assert "run the same command to resume from its last backup" in result.stdout
+
+
+def test_a_killed_worker_of_a_real_cluster_exits_as_a_shell_would():
+    # One worker's launcher (--hosts/--index, or srun): 137, not 247 (Python's exit(-9)).
+    result = _kerasmulti("--hosts", "localhost:1,localhost:2", "--index", "0", os.path.join(WORKERS, "cluster_info.py"), "kill-0")
+    assert result.returncode == 128 + 9
+    assert "the worker was killed by signal 9 (SIGKILL)" in result.stderr
+    assert "run the same command to resume from its last backup" in result.stderr
 
 
 def test_hosts_and_index_build_tf_config_for_this_machine():

@@ -13,7 +13,7 @@ print(f"index={index} workers={len(config['cluster']['worker'])} "
       f"gpus={os.environ.get('CUDA_VISIBLE_DEVICES')} args={sys.argv[1:]}", flush=True)
 if "fail-1" in sys.argv and index == 1:
     sys.exit(3)
-if "kill-1" in sys.argv and index == 1:
+if "kill-1" in sys.argv and index == 1 or "kill-0" in sys.argv and index == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 if "hang-0" in sys.argv and index == 0:
     time.sleep(300)

@@ -48,8 +48,15 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
     if failed is None:
         return 0
     code = exit_code(processes[failed].returncode)
-    out.write(f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others.\n")
+    out.write(
+        f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others. "
+        f"{RESUME_HINT}\n"
+    )
     return code
+
+
+# Said when a job ends early: ParallelBackupAndRestore makes a re-run go on.
+RESUME_HINT = "If the script trains with ParallelBackupAndRestore, run the same command to resume from its last backup."
 
 
 def run_cluster(start: Callable, workers: int, out) -> tuple[list, int | None]:
@@ -84,6 +91,13 @@ def run_cluster(start: Callable, workers: int, out) -> tuple[list, int | None]:
         )
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unknown signal"
+
+
 def exit_code(returncode: int) -> int:
     """A process's exit code as a shell reports it: 128 + N for one killed by signal N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -94,9 +108,15 @@ def run_one(command: list[str], env: dict) -> int:
     process = subprocess.Popen(command, env=env)
     try:
         with _stopped_with_this_process():
-            return process.wait()
+            returncode = process.wait()
     finally:
         _stop([process])
+    if returncode < 0:  # exited as a shell reports it (137 for SIGKILL), not 256 - N
+        sys.stderr.write(
+            f"kerasmulti launch: the worker was killed by signal {-returncode} ({_signal_name(-returncode)}). "
+            f"{RESUME_HINT}\n"
+        )
+    return exit_code(returncode)
 
 
 def supervise(processes, pumps) -> int | None:
