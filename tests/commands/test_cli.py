@@ -264,6 +264,48 @@ def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_ro
         np.testing.assert_allclose(f["out"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
+    # TensorFlow swallowed a KeyboardInterrupt inside an import and the command ran on
+    # (issue #26): the watchdog the first Ctrl-C starts ends it, with the one line.
+    code = (
+        "import signal, time\n"
+        "from kerasmulti._src.commands import cli\n"
+        "signal.signal(signal.SIGINT, cli._CtrlC('kerasmulti: interrupted'))\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    try:\n"
+        "        time.sleep(0.05)\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    stderr = process.communicate(timeout=120)[1]  # GRACE_S (5 s) then the exit; generous for a busy machine
+    assert process.returncode == 130
+    assert stderr.splitlines() == ["kerasmulti: interrupted"]
+
+
+def test_a_command_that_ran_on_after_ctrl_c_reports_it_and_exits_130(monkeypatch, capsys):
+    from kerasmulti._src.commands import cli as _cli
+
+    def swallowing(args):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # as TensorFlow did: the command then finished as if nothing happened
+        return 0
+
+    monkeypatch.setattr(_cli, "_run_command", swallowing)
+    before = signal.getsignal(signal.SIGINT)  # ignored in a suite started in the background
+    assert _cli.main(["demo"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
+    assert signal.getsignal(signal.SIGINT) is before  # put back
+
+
 def _predict(folder, model, source, output="out.h5"):
     from kerasmulti._src.commands import cli as _cli
     from kerasmulti._src.commands import predict as _predict

@@ -3,7 +3,11 @@
 Device simulation has to happen before TensorFlow initialises its devices, so
 the command simulates devices (without GPUs) before anything else runs. Errors a user can fix are printed as one message with a
 non-zero exit, not a traceback; Ctrl-C ends it with one line and exit 130, as
-a shell reports SIGINT. Arguments are parsed before TensorFlow loads (this
+a shell reports SIGINT, always: TensorFlow can swallow the KeyboardInterrupt
+(inside an import, or in a C++ call that holds the main thread), so the first
+Ctrl-C also starts a watchdog that ends the process `GRACE_S` later if it is
+still running (`predict`'s output file is safe to stop at any point), and a
+second Ctrl-C ends it at once. Arguments are parsed before TensorFlow loads (this
 module imports nothing heavy, and `import kerasmulti` waits for `main`), so
 `--help` and argument errors answer at once.
 """
@@ -12,12 +16,50 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from kerasmulti._src.startup import ENV_SIMULATE
 
 DEFAULT_SIMULATED = 2
 INTERRUPTED = 130  # what a shell reports for SIGINT
+GRACE_S = 5.0  # after Ctrl-C, how long the command may take to stop by itself
+
+
+class _CtrlC:
+    """The SIGINT handler of `demo` and `predict`: KeyboardInterrupt, and a watchdog behind it."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self.pressed = False
+        self._reported = threading.Lock()
+        self._watchdog = None
+
+    def __call__(self, signum, frame):
+        if self.pressed:
+            self.report_and_exit()  # a second Ctrl-C: the user insists
+        self.pressed = True
+        self._watchdog = threading.Timer(GRACE_S, self.report_and_exit)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        raise KeyboardInterrupt
+
+    def stand_down(self) -> None:
+        """The command stopped by itself: the watchdog has nothing left to do."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def report(self) -> bool:
+        """Prints the one line, once; False if it was printed already."""
+        if not self._reported.acquire(blocking=False):
+            return False
+        print(self.message, file=sys.stderr, flush=True)
+        return True
+
+    def report_and_exit(self) -> None:
+        if self.report():
+            os._exit(INTERRUPTED)
 
 
 def _positive_int(text: str) -> int:
@@ -111,12 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     # The command is kerasmulti's own program: it runs Keras on TensorFlow
     # unless the user chose a backend (which keras_private then refuses).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    kept = f"; the rows written so far stay in {args.output}: run the same command to go on" if args.command == "predict" else ""
+    ctrl_c = _CtrlC(f"kerasmulti: interrupted{kept}")
+    # The launcher stops its workers itself on Ctrl-C, and must not be cut short.
+    watched = args.command in ("demo", "predict") and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, ctrl_c) if watched else None
     try:
-        return _run_command(args)
+        code = _run_command(args)
     except KeyboardInterrupt:
-        kept = f"; the rows written so far stay in {args.output}: run the same command to go on" if args.command == "predict" else ""
-        print(f"kerasmulti: interrupted{kept}", file=sys.stderr)
+        code = INTERRUPTED
+    finally:
+        if watched:
+            signal.signal(signal.SIGINT, previous)
+        ctrl_c.stand_down()
+    if code == INTERRUPTED or ctrl_c.pressed:
+        # Also when TensorFlow swallowed the KeyboardInterrupt and the command ran on.
+        ctrl_c.report()
         return INTERRUPTED
+    return code
 
 
 def _run_command(args) -> int:
