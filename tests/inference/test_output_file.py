@@ -2,6 +2,7 @@
 
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
+import errno
 import os
 import shutil
 
@@ -126,3 +127,41 @@ def test_an_hdf5_file_parallel_predict_did_not_write_is_left_alone(tmp_path):
     with pytest.raises(ValueError, match=r"theirs.h5' is an HDF5 file that parallel_predict\(\) did not write.*Received: output="):
         kerasmulti.parallel_predict(_model(), _data(4), output=str(path), verbose=0)
     assert path.read_bytes() == before
+
+
+def test_the_file_gets_its_blocks_on_disk_when_it_is_made(tmp_path):
+    # HDF5 only sets the size; a full disk would then fail a later batch (h5py crashed there, #26).
+    path = str(tmp_path / "out.h5")
+    _output_file.create(path, 200_000, [((16,), np.dtype("float32"))], ["features"], {"kerasmulti_model": "m"}, {})
+    size = os.path.getsize(path)
+    assert size > 200_000 * 16 * 4 and os.stat(path).st_blocks * 512 >= size
+
+
+def _full_disk(monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+
+
+def test_a_full_disk_fails_before_the_first_row_and_leaves_no_file(tmp_path, monkeypatch):
+    _full_disk(monkeypatch)
+    with pytest.raises(ValueError, match=r"could not create '.*out.h5' \(No space left on device\).*Received: output="):
+        kerasmulti.parallel_predict(_model(), _data(8), output=str(tmp_path / "out.h5"), verbose=0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_on_resume_stops_before_writing_and_keeps_the_rows(tmp_path, monkeypatch):
+    model, x = _model(), _data(20)
+    path = tmp_path / "out.h5"
+    kerasmulti.parallel_predict(model, x, batch_size=4, output=str(path), verbose=0)
+    with h5py.File(path, "r+") as f:  # as an interrupted run leaves it
+        _output_file.set_rows_done(f, 8)
+    before = path.read_bytes()
+    _full_disk(monkeypatch)
+    with pytest.raises(ValueError, match=r"cannot resume '.*out.h5': the disk has no room.*the rows written so far stay\. Received: output="):
+        kerasmulti.parallel_predict(model, x, batch_size=4, output=str(path), verbose=0)
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    kerasmulti.parallel_predict(model, x, batch_size=4, output=str(path), verbose=0)
+    _assert_file_holds(path, model, x)

@@ -8,6 +8,11 @@
   What kerasmulti keeps for itself is in attributes of the root: the model's
   and the input's fingerprints, the row count, and `kerasmulti_rows_done`,
   the rows that are final.
+- Its blocks are reserved on disk when it is made and when it is resumed
+  (`posix_fallocate`): HDF5's early allocation only sets the file's size, and
+  a file system short of space would fail the writes of a later batch (h5py
+  then crashes the process in its flush). A full disk thus fails before the
+  first row, with an error, and the file is never left half-written by it.
 - Afterwards only values are written in place, rows then counter, each
   followed by a flush: HDF5's structure never changes, and the counter is a
   fixed-size attribute rewritten where it lies (its 8 bytes change, nothing
@@ -87,6 +92,7 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
                 f.create_dataset(key, data=value)
             f.attrs.update(attributes)
             f.attrs[PROGRESS] = np.int64(0)
+        reserve(temporary)
 
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -102,8 +108,32 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
         ) from error
 
 
+def reserve(path: str) -> None:
+    """Makes the file system give the file all its blocks now (see the module docstring).
+
+    Raises OSError (ENOSPC) when they do not fit. File systems that cannot
+    reserve space are left to allocate as they write.
+    """
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        except AttributeError:  # no posix_fallocate on this system (macOS)
+            pass
+
+
 def open_existing(path: str, attributes: dict) -> h5py.File:
     """Opens a file to resume, refusing one that is damaged, not kerasmulti's, or another run's."""
+    try:
+        reserve(path)
+    except OSError as error:
+        raise ValueError(
+            f"parallel_predict() cannot resume '{path}': the disk has no room for its remaining rows "
+            f"({os.strerror(error.errno) if error.errno else error}). Free some space and run it again; "
+            f"the rows written so far stay. Received: output={path!r}"
+        ) from error
     try:
         f = h5py.File(path, "r+")
     except OSError as error:
