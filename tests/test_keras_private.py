@@ -103,6 +103,21 @@ def test_private_names_still_behave_as_used():
     assert _keras_private.array_data_adapter.can_convert_arrays([np.ones(3)])
 
 
+def test_the_tf_data_pipeline_walk_still_sees_repeat_and_take():
+    import tensorflow as tf
+
+    pipeline = tf.data.Dataset.range(4).repeat().take(3).filter(lambda x: True)
+    kinds, counts = [], []
+    pending = [pipeline]
+    while pending:
+        dataset = pending.pop()
+        kinds.append(type(dataset).__name__)
+        counts.append(_keras_private.dataset_count(dataset))
+        pending.extend(_keras_private.dataset_inputs(dataset))
+    assert kinds == ["_FilterDataset", "_TakeDataset", "_RepeatDataset", "_RangeDataset"]
+    assert counts[1:3] == [3, -1]
+
+
 def test_private_tensorflow_runtime_keeps_the_attributes_used():
     """The launcher's started-or-not test and the join's coordination settings."""
     context = _keras_private.eager_context.context()

@@ -153,6 +153,17 @@ def seed_generators(layer) -> list:
     return list(getattr(layer, "_seed_generators", []))
 
 
+def dataset_inputs(dataset) -> list:
+    """The datasets a `tf.data.Dataset` reads (`DatasetV2._inputs()`): no public name walks a pipeline."""
+    return list(dataset._inputs())
+
+
+def dataset_count(dataset):
+    """The `count` of a `repeat()` or `take()` dataset (`_count`), as an int; None for others."""
+    count = getattr(dataset, "_count", None)
+    return None if count is None else int(count)
+
+
 def own_metrics(layer) -> list:
     """The metrics a layer holds as attributes (`Layer._metrics`), not its sublayers'."""
     return list(getattr(layer, "_metrics", []))
@@ -377,6 +388,8 @@ __all__ = [
     "optimizer_strategy",
     "optimizer_trainable_variables",
     "reinitialize",
+    "dataset_count",
+    "dataset_inputs",
     "own_metrics",
     "seed_generators",
     "set_sequential_layers",

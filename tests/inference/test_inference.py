@@ -397,6 +397,23 @@ def test_an_input_that_ends_early_when_read_again_is_refused(tmp_path):
         kerasmulti.parallel_predict(model, dataset, verbose=0, output=str(tmp_path / "out.h5"))
 
 
+@pytest.mark.parametrize("output", [False, True], ids=["in memory", "to a file"])
+def test_an_endless_repeat_behind_a_filter_is_refused_and_bounded_by_steps(tmp_path, output):
+    # TensorFlow says UNKNOWN, not INFINITE: without the check the rows were counted forever.
+    model, x = _two_outputs(), _data(8)
+    endless = tf.data.Dataset.from_tensor_slices(x).repeat().filter(lambda row: True).batch(4)
+    to = dict(output=str(tmp_path / "out.h5")) if output else {}
+    with pytest.raises(ValueError, match=r"repeats forever.*Pass steps=.*Received: data.cardinality\(\)=UNKNOWN with an endless .repeat\(\)"):
+        kerasmulti.parallel_predict(model, endless, verbose=0, **to)
+    assert not (tmp_path / "out.h5").exists()
+    bounded = kerasmulti.parallel_predict(model, endless, steps=3, verbose=0, **to)
+    rows = h5py.File(bounded, "r")["score"][:] if output else bounded[1]
+    assert len(rows) == 12
+    # Bounded by the user's own take(), or a repeat with a count: taken as they are.
+    for finite in (endless.take(2), tf.data.Dataset.from_tensor_slices(x).repeat(2).filter(lambda row: True).batch(4)):
+        assert kerasmulti.parallel_predict(model, finite, verbose=0)[1].shape[0] in (8, 16)
+
+
 def test_inputs_that_never_end_are_refused_at_once():
     model, x = _two_outputs(), _data(8)
     with pytest.raises(ValueError, match=r"never ends.*Received: data.cardinality\(\)=INFINITE"):

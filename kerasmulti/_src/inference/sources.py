@@ -21,6 +21,8 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
+from kerasmulti._src import keras_private
+
 
 def batched(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
     """Batches and prefetches `dataset` with tf.data autotuning off.
@@ -238,6 +240,28 @@ def _refuse_endless(data: tf.data.Dataset) -> None:
             "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= (the batches "
             "to predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
         )
+    if int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY) and _repeats_forever(data):
+        # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
+        raise ValueError(
+            "parallel_predict() got a tf.data.Dataset that repeats forever (`.repeat()` without a "
+            "count) behind an operation that hides its length (such as `.filter()`), so it would be "
+            "read forever. Pass steps= (the batches to predict), or give `.repeat()` a count. "
+            "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
+        )
+
+
+def _repeats_forever(data: tf.data.Dataset) -> bool:
+    """Whether a `repeat()` without a count feeds `data` with no `take()` bounding it on the way."""
+    pending = [data]
+    while pending:
+        dataset = pending.pop()
+        kind, count = type(dataset).__name__, keras_private.dataset_count(dataset)
+        if kind == "_TakeDataset" and count is not None and count >= 0:
+            continue  # bounded from here on
+        if kind == "_RepeatDataset" and count is not None and count < 0:
+            return True
+        pending.extend(keras_private.dataset_inputs(dataset))
+    return False
 
 
 FINGERPRINT_SAMPLES = 16
