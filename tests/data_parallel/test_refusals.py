@@ -2,6 +2,8 @@
 
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -149,6 +151,27 @@ def test_the_documented_probe_spots_a_model_that_looks_across_rows():
     # ... and the probe's verdict is what splitting does: the mixing model's parallel output differs.
     parallel = kerasmulti.parallelize(mixing, gpus=2)
     assert not np.allclose(parallel.predict(x, batch_size=8, verbose=0), mixing.predict(x, batch_size=8, verbose=0))
+
+
+def test_a_model_that_mixes_rows_is_warned_about_at_its_first_parallel_call():
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    inputs = keras.Input((3,))
+    centred = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(inputs)
+    mixing = keras.Model(inputs, keras.layers.Dense(2)(centred), name="mixing")
+    parallel = kerasmulti.parallelize(mixing, gpus=2)
+    with pytest.warns(UserWarning, match=r"outputs of 'mixing' for a row depend on the other rows.*Received: relative difference=") as record:
+        parallel.predict(x, verbose=0)
+    assert record[0].filename == __file__  # the warning points at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per parallel model
+        parallel.predict(x, verbose=0)
+    row_wise = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.LayerNormalization()])
+    parallel = kerasmulti.parallelize(row_wise, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.fit(x, np.zeros((8, 2)), verbose=0)
+        kerasmulti.parallelize(mixing, gpus=1).predict(x, verbose=0)  # one device: nothing to split
 
 
 @pytest.mark.parametrize("layer", ["MixUp", "CutMix"])

@@ -35,6 +35,7 @@ from kerasmulti._src.data_parallel import monitor as _monitor
 from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.data_parallel import replica_losses as _replica_losses
 from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import row_mixing as _row_mixing
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
@@ -210,6 +211,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""
         self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         _monitor.attach(self, arguments.get("callbacks"))
         return super().fit(**self._fed(_feeding.fit_arguments, arguments))
 
@@ -217,11 +219,13 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
         self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         return super().evaluate(**self._fed(_feeding.evaluate_arguments, arguments))
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; arrays go through a steady pipeline."""
         arguments = _feeding.bound(keras.Model.predict, args, kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         return super().predict(**self._fed(_feeding.predict_arguments, arguments))
 
     @property
