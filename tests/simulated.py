@@ -3,13 +3,17 @@
 Every test module that runs TensorFlow imports this (most take `DEVICES` from
 it), so that a module run alone gets the same devices as the whole suite;
 tests that need no TensorFlow do not import it, and do not start it.
+`KERASMULTI_TEST_DEVICES=4` runs a module on 4 devices instead (a test of
+the custom steps does, in a process of its own).
 """
+
+import os
 
 import tensorflow as tf
 
 import kerasmulti
 
-DEVICES = 3
+DEVICES = int(os.environ.get("KERASMULTI_TEST_DEVICES", "3"))
 # TensorFlow runs as many ops at once as the machine has cores (2 in CI). A
 # replica's op that blocks (a sleep standing for a slow device, a rendezvous)
 # would then hold up another replica's, and timings would show the queue

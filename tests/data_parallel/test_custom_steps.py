@@ -515,3 +515,20 @@ def test_a_gan_without_call_is_checkpointed_once_marked_built(tmp_path):
     twin.built = True
     twin.load_weights(tmp_path / "gan.weights.h5")
     assert_same_weights(gan, twin, atol=0)
+
+
+@pytest.mark.slow  # a subprocess: CI runs it, the fast tier does not
+def test_the_custom_steps_give_one_devices_numbers_on_4_devices_too():
+    # The suite runs on 3 simulated devices; this file again on 4, in a process of its own.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KERASMULTI_TEST_DEVICES": "4", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "one_devices_numbers and not 4_devices"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " 20 passed" in result.stdout, result.stdout[-1000:]
