@@ -70,6 +70,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         self._batchnorm = _sync_batchnorm.batchnorm_layers(template)
         # The template's own steps, where it has some (`custom_steps.py`).
         self._custom = _custom_steps.CustomSteps(self) if self._runs_custom_steps() else None
+        self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict on arrays
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True

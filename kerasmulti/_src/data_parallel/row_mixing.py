@@ -24,9 +24,9 @@ TOLERANCE = 1e-3
 
 def probe_once(parallel, x, stacklevel: int) -> None:
     """Warns if `parallel`'s template mixes the rows of `x`'s first few; once per parallel model."""
-    if parallel.__dict__.get("_rows_probed") or len(parallel.replica_devices) < 2 or parallel._custom is not None:
+    if parallel._rows_probed or len(parallel.replica_devices) < 2 or parallel._custom is not None:
         return
-    parallel.__dict__["_rows_probed"] = True
+    parallel._rows_probed = True
     leaves = tree.flatten(x) if x is not None else []
     if not leaves or not all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves) or len(leaves[0]) < 2:
         return  # only arrays can be read again at no cost

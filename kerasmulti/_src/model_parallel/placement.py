@@ -59,8 +59,9 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
 
     Args:
         model: A model holding `OnDevice` layers (from `device_scope` or
-            `on_device`), for instance one loaded with `keras.models.load_model`,
-            or a model from `parallelize` around one.
+            `on_device`), for instance one loaded with `kerasmulti.load_model`
+            (Keras' own `load_model` returns it without its placement), or a
+            model from `parallelize` around one.
         mapping: Old device name to new one, e.g. `{"/gpu:1": "/gpu:0"}`. The
             new names are checked like `parallelize`'s.
 
@@ -91,8 +92,8 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     with kerasmulti.device_scope(second):
         tower = keras.layers.Dense(2)(inputs)
     keras.Model(inputs, tower).save("two_tower.keras")
-    model = keras.models.load_model("two_tower.keras")  # on a machine with one device:
-    kerasmulti.remap_devices(model, {second: first})   # the tower runs on the first
+    model = kerasmulti.load_model("two_tower.keras")  # on a machine with one device:
+    kerasmulti.remap_devices(model, {second: first})  # the tower runs on the first
     ```
     """
     if not isinstance(model, keras.Model):
