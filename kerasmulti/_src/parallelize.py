@@ -16,7 +16,8 @@ from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import devices as _devices
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import wrap as _wrap
-from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
+from kerasmulti._src.data_parallel.custom_steps import warn_not_run
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.multi_worker import worker_model as _worker_model
 
 
@@ -112,7 +113,7 @@ def parallelize(
     strategy = _cluster.strategy()
     if strategy is not None:
         if isinstance(model, keras.Model):
-            _warn_overrides(unwrap(model), ("predict_step",))
+            warn_not_run(unwrap(model), ("predict_step",))
         _wrap.check_model(model)
         if not unwrap(model).built:
             # check_model lets a GAN without call through: its own step runs in one process only.

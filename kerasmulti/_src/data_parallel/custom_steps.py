@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
+import warnings
 
 import keras
 import tensorflow as tf
@@ -311,3 +312,21 @@ def _merged_logs(logs: list, shares: list):
         else:
             merged[key] = first
     return merged
+
+
+def warn_not_run(template: keras.Model, names) -> None:
+    """Warns that Keras' own steps run, not the template's (across workers; `parallel_predict`).
+
+    Called by the public function the user called, so the warning points at
+    the user's line.
+    """
+    overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
+    if overridden:
+        # Each replica runs Keras' own steps, with compile()'s loss and
+        # metrics and the losses layers add.
+        warnings.warn(
+            f"The parallel model does not run {', '.join(overridden)} of the template "
+            f"'{template.name}'. Put a custom loss in compile(loss=...) or add_loss(), "
+            f"post-process predict()'s output, or use one device. Received: overrides={overridden}",
+            stacklevel=3,
+        )

@@ -38,10 +38,11 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import row_mixing as _row_mixing
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
+from kerasmulti._src.data_parallel import template_access as _template_access
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 
 
-class ParallelModel(_persistence.TemplatePersistence, keras.Model):
+class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateAccess, keras.Model):
     """A data-parallel view of a template model; build it with `parallelize`.
 
     It is a `keras.Model`: compile, fit, evaluate, predict and call it as the
@@ -107,7 +108,7 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
             # What Keras does for a mixed_float16 model, when only the
             # template (not the global policy) is mixed.
             self._scale_losses()
-        _warn_overrides(self._template, _custom_steps.STEPS)
+        _custom_steps.warn_not_run(self._template, _custom_steps.STEPS)
         # The template is compiled alike, sharing the optimizer: files saved
         # from either hold the training state, and a backup's layout is the
         # same in every process (it does not depend on whether a save ran).
@@ -115,82 +116,6 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         # template would wrap the shared optimizer in a LossScaleOptimizer.
         self._template.compile(
             **dict(keras_private.compile_arguments(self), optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
-        )
-
-    def _scale_losses(self) -> None:
-        optimizer = self.optimizer
-        if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            self.optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
-
-    def _compile_custom(self, args, kwargs, jit_compile) -> None:
-        """compile() for a template with steps of its own: the template's compile, then this model's."""
-        if jit_compile is True and len(self._replica_devices) > 1:
-            warnings.warn(
-                f"The template '{self._template.name}' runs its own steps, on uncompiled replicas: XLA "
-                "compiles one device's program, and the step's meeting points span the devices. "
-                "Leave jit_compile to its default to silence this. Received: jit_compile=True",
-                stacklevel=3,
-            )
-        if jit_compile != "auto":
-            kwargs = dict(kwargs, jit_compile=jit_compile)
-        self._template.compile(*args, **kwargs)
-        self._compile_as_template()
-
-    def _compile_as_template(self) -> None:
-        """Compiles this model to run the compiled template's steps: its optimizer, no loss of its own."""
-        self._compiled = None
-        keras.Model.compile(
-            self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
-            run_eagerly=getattr(self._template, "run_eagerly", False),
-            steps_per_execution=getattr(self._template, "steps_per_execution", 1),
-        )
-
-    def _adopt_template_compile(self) -> None:
-        """Compiles this model as the template was, if it was and this model is not yet.
-
-        A model loaded from a `.keras` file comes compiled, its optimizer
-        holding its state: the parallel model trains it without a new compile.
-        """
-        if self.compiled or not getattr(self._template, "compiled", False):
-            return
-        if self._custom is not None:
-            self._compile_as_template()
-            return
-        arguments = keras_private.compile_arguments(self._template)
-        self.compile(**dict(arguments, optimizer=self._template.optimizer))
-
-    @property
-    def metrics(self):
-        if self.__dict__.get("_custom") is not None:
-            return self._template.metrics  # what the template's own steps update
-        # Keras leaves out the metrics of a nested model (the template): those
-        # its layers hold (a layer that tracks its activations) are reported,
-        # as on one device; its compiled ones are this model's own.
-        metrics = super().metrics
-        template = self.__dict__.get("_template")
-        if template is not None:
-            for layer in keras_private.flatten_layers(template):
-                if layer is template or not isinstance(layer, keras.Model):
-                    metrics += [m for m in keras_private.own_metrics(layer) if all(m is not n for n in metrics)]
-        return metrics
-
-    def __getattr__(self, name):
-        """Attributes the template's own class or the user gave it (a callback's `self.model.counter`).
-
-        Called only when this model has no such attribute. Keras' own
-        attributes and private names are not forwarded: the parallel model
-        has its own, and Keras probes a model for private ones (a functional
-        template's graph) that must not seem to be this model's.
-        """
-        template = self.__dict__.get("_template")
-        if template is None or name.startswith("_"):
-            raise AttributeError(name)
-        if name in vars(template) or _defined_by_user_class(type(template), name):
-            return getattr(template, name)
-        raise AttributeError(
-            f"'{type(self).__name__}' object has no attribute '{name}', and its template "
-            f"'{template.name}' has none of its own to lend. Reach the template with "
-            f"kerasmulti.unwrap(model). Received: name={name!r}"
         )
 
     def _compiles_replicas(self, jit_compile) -> bool:
@@ -342,14 +267,6 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
             return self._custom.predict(data)
         return super().predict_step(data)
 
-    def train_on_batch(self, *args, **kwargs):
-        self._adopt_template_compile()
-        return super().train_on_batch(*args, **kwargs)
-
-    def test_on_batch(self, *args, **kwargs):
-        self._adopt_template_compile()
-        return super().test_on_batch(*args, **kwargs)
-
     def _replica_step(self, x, y, sample_weight, training):
         """Every replica's forward pass, its part of the loss and (training) its gradients.
 
@@ -444,29 +361,6 @@ class ParallelModel(_persistence.TemplatePersistence, keras.Model):
         stack.enter_context(_replica_losses.kept_per_replica(self))
         stack.enter_context(_sync_batchnorm.synchronized(self._batchnorm))
         return stack
-
-
-def _defined_by_user_class(cls, name: str) -> bool:
-    """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
-    return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
-
-
-def _warn_overrides(template: keras.Model, names) -> None:
-    """Warns that the parallel model runs Keras' own steps, not the template's.
-
-    Called by the public function the user called, so the warning points at
-    the user's line.
-    """
-    overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
-    if overridden:
-        # Each replica runs Keras' own steps, with compile()'s loss and
-        # metrics and the losses layers add.
-        warnings.warn(
-            f"The parallel model does not run {', '.join(overridden)} of the template "
-            f"'{template.name}'. Put a custom loss in compile(loss=...) or add_loss(), "
-            f"post-process predict()'s output, or use one device. Received: overrides={overridden}",
-            stacklevel=3,
-        )
 
 
 def unwrap(model: keras.Model) -> keras.Model:

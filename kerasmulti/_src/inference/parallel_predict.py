@@ -24,7 +24,8 @@ from keras import tree
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
-from kerasmulti._src.data_parallel.parallel_model import ParallelModel, _warn_overrides, unwrap
+from kerasmulti._src.data_parallel.custom_steps import warn_not_run
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
 from kerasmulti._src.devices import resolve_devices
 from kerasmulti._src.inference import output_file as _output_file
@@ -172,7 +173,7 @@ def parallel_predict(
     else:
         parallel = _parallel_of(unwrap(model), gpus, devices)
     template = parallel._template
-    _warn_overrides(template, ("predict_step",))
+    warn_not_run(template, ("predict_step",))
     source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(

@@ -1,0 +1,115 @@
+"""What a parallel model takes from its template besides its weights: compile settings, metrics, attributes.
+
+A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
+`_template` and its own steps' runner as `_custom` (`custom_steps.py`):
+
+- compile: a template with steps of its own is compiled with its own
+  signature; a template that comes compiled (loaded from a `.keras` file)
+  compiles the parallel model alike at its first `fit`/`evaluate`; a template
+  whose own dtype policy is `mixed_float16` gets Keras' loss scaling.
+- metrics: those the template's steps update, or those its layers hold,
+  which Keras leaves out of a model nested in another.
+- attributes the template's own class or its user gave it, for callbacks
+  written for the template (`self.model.steps_taken`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from kerasmulti._src import keras_private
+
+
+class TemplateAccess:
+    """The parts of `ParallelModel` that reach into its template (see the module docstring)."""
+
+    def _scale_losses(self) -> None:
+        optimizer = self.optimizer
+        if optimizer is not None and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+
+    def _compile_custom(self, args, kwargs, jit_compile) -> None:
+        """compile() for a template with steps of its own: the template's compile, then this model's."""
+        if jit_compile is True and len(self._replica_devices) > 1:
+            warnings.warn(
+                f"The template '{self._template.name}' runs its own steps, on uncompiled replicas: XLA "
+                "compiles one device's program, and the step's meeting points span the devices. "
+                "Leave jit_compile to its default to silence this. Received: jit_compile=True",
+                stacklevel=3,
+            )
+        if jit_compile != "auto":
+            kwargs = dict(kwargs, jit_compile=jit_compile)
+        self._template.compile(*args, **kwargs)
+        self._compile_as_template()
+
+    def _compile_as_template(self) -> None:
+        """Compiles this model to run the compiled template's steps: its optimizer, no loss of its own."""
+        self._compiled = None
+        keras.Model.compile(
+            self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
+            run_eagerly=getattr(self._template, "run_eagerly", False),
+            steps_per_execution=getattr(self._template, "steps_per_execution", 1),
+        )
+
+    def _adopt_template_compile(self) -> None:
+        """Compiles this model as the template was, if it was and this model is not yet.
+
+        A model loaded from a `.keras` file comes compiled, its optimizer
+        holding its state: the parallel model trains it without a new compile.
+        """
+        if self.compiled or not getattr(self._template, "compiled", False):
+            return
+        if self._custom is not None:
+            self._compile_as_template()
+            return
+        arguments = keras_private.compile_arguments(self._template)
+        self.compile(**dict(arguments, optimizer=self._template.optimizer))
+
+    @property
+    def metrics(self):
+        if self.__dict__.get("_custom") is not None:
+            return self._template.metrics  # what the template's own steps update
+        # Keras leaves out the metrics of a nested model (the template): those
+        # its layers hold (a layer that tracks its activations) are reported,
+        # as on one device; its compiled ones are this model's own.
+        metrics = super().metrics
+        template = self.__dict__.get("_template")
+        if template is not None:
+            for layer in keras_private.flatten_layers(template):
+                if layer is template or not isinstance(layer, keras.Model):
+                    metrics += [m for m in keras_private.own_metrics(layer) if all(m is not n for n in metrics)]
+        return metrics
+
+    def __getattr__(self, name):
+        """Attributes the template's own class or the user gave it (a callback's `self.model.counter`).
+
+        Called only when this model has no such attribute. Keras' own
+        attributes and private names are not forwarded: the parallel model
+        has its own, and Keras probes a model for private ones (a functional
+        template's graph) that must not seem to be this model's.
+        """
+        template = self.__dict__.get("_template")
+        if template is None or name.startswith("_"):
+            raise AttributeError(name)
+        if name in vars(template) or _defined_by_user_class(type(template), name):
+            return getattr(template, name)
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}', and its template "
+            f"'{template.name}' has none of its own to lend. Reach the template with "
+            f"kerasmulti.unwrap(model). Received: name={name!r}"
+        )
+
+    def train_on_batch(self, *args, **kwargs):
+        self._adopt_template_compile()
+        return super().train_on_batch(*args, **kwargs)
+
+    def test_on_batch(self, *args, **kwargs):
+        self._adopt_template_compile()
+        return super().test_on_batch(*args, **kwargs)
+
+
+def _defined_by_user_class(cls, name: str) -> bool:
+    """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
+    return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
