@@ -119,6 +119,14 @@ def test_xla_is_refused_where_it_cannot_hold_with_the_reason():
         )
 
 
+def test_xla_that_keras_turns_off_for_the_machine_is_refused_saying_so(monkeypatch):
+    # Every layer supports XLA, but Keras says no (op determinism on, or a Mac's GPU).
+    monkeypatch.setattr(_compiled, "model_supports_jit", lambda model: False)
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), gpus=2)
+    with pytest.raises(ValueError, match=r"Keras turns XLA off for this model on this machine \(op determinism, or a Mac's GPU\).*Received: jit_compile=True"):
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+
+
 def _batchnorm_model(seed=5):
     keras.utils.set_random_seed(seed)
     return keras.Sequential(

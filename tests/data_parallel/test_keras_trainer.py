@@ -222,13 +222,17 @@ def test_evaluate_return_list_respect_metrics_order():
     assert parallel.evaluate(np.ones((3, 2)), np.ones((3, 3)), verbose=0)[1:] == [1.0, 0.0]
 
 
-def test_nested_inputs():
-    class ListInputModel(keras.Model):
-        def __init__(self, units):
-            super().__init__()
-            self.dense_1 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
-            self.dense_2 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+class TwoInputModel(keras.Model):
+    """Keras' `ListInputModel` and `StructModel`: two bias-free Dense layers of ones, one per input."""
 
+    def __init__(self, units):
+        super().__init__()
+        self.dense_1 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+        self.dense_2 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
+
+
+def test_nested_inputs():
+    class ListInputModel(TwoInputModel):
         def call(self, x):
             return self.dense_1(x[0]) + self.dense_2(x[1])
 
@@ -384,13 +388,8 @@ def test_loss_weights():
     assert_same_logs(expected, history)
 
 
-class StructModel(keras.Model):
+class StructModel(TwoInputModel):
     """Keras' `StructModel`: dict inputs and outputs."""
-
-    def __init__(self, units):
-        super().__init__()
-        self.dense_1 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
-        self.dense_2 = keras.layers.Dense(units, use_bias=False, kernel_initializer="ones")
 
     def call(self, x):
         return {"y_one": self.dense_1(x["x_one"]), "y_two": self.dense_2(x["x_two"])}

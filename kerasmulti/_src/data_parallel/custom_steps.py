@@ -131,14 +131,18 @@ def _merged_leaf(values, name, shares, shards):
     if isinstance(first, (int, float)) or getattr(first, "shape", None) is not None and len(first.shape) == 0:
         # Keras passes a sub-batch's row count as the weight of its mean.
         weights = [_counts(s) for s in shards] if name == "sample_weight" else shares
-        terms = [tf.cast(w, tf.float32) * tf.cast(v, tf.float32) for w, v in zip(weights, values)]
+        total = _weighted_sum(weights, values)
         dtype = getattr(first, "dtype", None)
-        total = tf.add_n(terms)
         return total if dtype is None else tf.cast(total, dtype)
     rows = first.shape[0]
     if rows is None or (isinstance(shards[0].sliced, int) and rows == shards[0].sliced):
         return _split.merge(list(values), shards)
     return first  # not one row per batch row: the first replica's
+
+
+def _weighted_sum(weights, values):
+    """Sum of weight x value over the replicas, in float32."""
+    return tf.add_n([tf.cast(w, tf.float32) * tf.cast(v, tf.float32) for w, v in zip(weights, values)])
 
 
 def _counts(shard):
@@ -249,7 +253,8 @@ class CustomSteps:
         self._parallel = parallel
         self.overridden = overridden(parallel._template)
 
-    def _split(self, data):
+    def _shards_of(self, data):
+        """The batch size of `data`, its shards and the replicas' pieces."""
         parallel = self._parallel
         batch = _split.batch_size(data, "data")
         shards = _split.plan(batch, len(parallel._replica_devices), parallel._proportions())
@@ -258,7 +263,7 @@ class CustomSteps:
     def run(self, step: str, data):
         """The template's `step` ("train_step" or "test_step") on every replica; the merged logs."""
         parallel, template = self._parallel, self._parallel._template
-        batch, shards, pieces = self._split(data)
+        batch, shards, pieces = self._shards_of(data)
         if len(shards) == 1:
             return getattr(template, step)(data)
         shares = _split.shares(shards, batch)
@@ -277,7 +282,7 @@ class CustomSteps:
     def predict(self, data):
         """The template's `predict_step` on every replica's rows; the outputs joined in order."""
         parallel, template = self._parallel, self._parallel._template
-        _, shards, pieces = self._split(data)
+        _, shards, pieces = self._shards_of(data)
         if len(shards) == 1:
             return template.predict_step(data)
         outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
@@ -308,7 +313,7 @@ def _merged_logs(logs: list, shares: list):
         values = [replica.get(key) for replica in logs]
         scalar = all(getattr(v, "shape", None) is not None and len(v.shape) == 0 for v in values)
         if scalar:
-            merged[key] = tf.add_n([tf.cast(s, tf.float32) * tf.cast(v, tf.float32) for s, v in zip(shares, values)])
+            merged[key] = _weighted_sum(shares, values)
         else:
             merged[key] = first
     return merged
@@ -320,13 +325,13 @@ def warn_not_run(template: keras.Model, names) -> None:
     Called by the public function the user called, so the warning points at
     the user's line.
     """
-    overridden = [name for name in names if getattr(type(template), name) is not getattr(keras.Model, name)]
-    if overridden:
+    skipped = [name for name in overridden(template) if name in names]
+    if skipped:
         # Each replica runs Keras' own steps, with compile()'s loss and
         # metrics and the losses layers add.
         warnings.warn(
-            f"The parallel model does not run {', '.join(overridden)} of the template "
+            f"The parallel model does not run {', '.join(skipped)} of the template "
             f"'{template.name}'. Put a custom loss in compile(loss=...) or add_loss(), "
-            f"post-process predict()'s output, or use one device. Received: overrides={overridden}",
+            f"post-process predict()'s output, or use one device. Received: overrides={skipped}",
             stacklevel=3,
         )
