@@ -145,7 +145,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             pairs = ((previous, latest), (paths["previous_metadata"], paths["metadata"]))
             for source, target in pairs:
                 if os.path.exists(source):
-                    _copy(source, target)
+                    self._write(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
                 elif os.path.exists(target):
                     os.remove(target)
         return epoch
@@ -185,13 +185,12 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         # travels inside the weights file, which is replaced atomically.
         if not _cluster.is_chief():
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
         paths = keras_private.backup_paths(self)
         if self.double_checkpoint:
             pairs = ((paths["weights"], paths["previous_weights"]), (paths["metadata"], paths["previous_metadata"]))
             for source, target in pairs:
                 if os.path.exists(source):
-                    _copy(source, target)
+                    self._write(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
         epoch, batch = keras_private.backup_position(self)
         metadata = json.dumps({"epoch": epoch, "batch": batch})
 
@@ -200,9 +199,16 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             with h5py.File(tmp, "a") as f:
                 f.attrs[_METADATA] = metadata
 
-        _atomic.write(paths["weights"], save)
+        self._write(paths["weights"], save)
         _fault_points.reached("backup:weights")
-        _atomic.write(paths["metadata"], lambda tmp: _write_text(tmp, metadata))
+        self._write(paths["metadata"], lambda tmp: _write_text(tmp, metadata))
+
+    def _write(self, target: str, save) -> None:
+        then = (
+            "Training stopped; once that is fixed, running the same fit() again resumes from the "
+            "last backup written (or starts over where there is none)."
+        )
+        _atomic.write(target, save, "ParallelBackupAndRestore", f"backup_dir={self.backup_dir!r}", then)
 
     def on_train_end(self, logs=None):
         if _cluster.is_chief():
@@ -226,10 +232,6 @@ def _read_epoch(weights: str, metadata: str) -> int:
     except (OSError, ValueError) as error:
         raise _Damaged(source, error) from error
     return epoch
-
-
-def _copy(source: str, target: str) -> None:
-    _atomic.write(target, lambda tmp: shutil.copyfile(source, tmp))
 
 
 def _read_text(path: str) -> str:

@@ -212,14 +212,17 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
                 f"ParallelModelCheckpoint's filepath, filled in, is the existing folder '{filepath}'. "
                 f"Remove it or change the filepath. Received: filepath={self.filepath!r}"
             )
-        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
         writer = self._saved.save_weights if self.save_weights_only else self._saved.save
 
         def save(temporary):
             writer(temporary, overwrite=True)
             _fault_points.reached("checkpoint:write")  # the new file is complete; the old one still in place
 
-        _atomic.write(filepath, save)
+        then = (
+            "Training stopped at this save; with a ParallelBackupAndRestore in the same fit(), "
+            "running it again resumes from its last backup."
+        )
+        _atomic.write(filepath, save, "ParallelModelCheckpoint", f"filepath={self.filepath!r}", then)
 
 
 class _TrialValues(dict):

@@ -4,15 +4,22 @@ The figures come from the step itself (`balance.StepTiming`, or across
 workers `balance.ReplicaTiming`): each replica's busy time and rows, the
 slowest replica's time per step, and the step's time from its batch to the
 updated weights. The monitor reads them once per epoch, so watching costs
-no synchronisation per step (across workers, one gather per epoch). Samples per
-second overall are rows over the epoch's training time (first batch to last,
-validation excluded), which includes the input pipeline and Keras' loop.
+no synchronisation per step (across workers, one gather per epoch).
+
+The headline figures are the wall clock's, as Keras' progress bar shows them:
+samples per second are rows over the epoch's training time (the epoch's start
+to its last batch's end, validation excluded), and the step time is that time
+over the steps. The clocks inside the step split it into the replicas'
+compute, the merge and update, and the rest, outside the step: Keras' loop,
+the input pipeline and the callbacks, which on a small, fast model can be
+most of it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -34,8 +41,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
     cluster), keeps the figures in `records` (a list of dicts, one per
     epoch, for a notebook to plot), and, with a `keras.callbacks.TensorBoard`
     in the same `fit`, writes them as scalars under its `log_dir`, in
-    `throughput/`. The figures are added up inside the step and read once
-    per epoch. The first epoch includes tracing and compiling.
+    `throughput/` (TensorBoard must be installed: `pip install tensorboard`).
+    Samples per second and the step time are the wall clock's, as in Keras'
+    progress bar; the step time is split into the replicas' compute
+    (`compute_seconds`), the merge and update (`merge_update_seconds`), and
+    Keras' loop, input and callbacks (`loop_seconds`). The figures are added
+    up inside the step and read once per epoch. The first epoch includes
+    tracing and compiling.
 
     Args:
         baseline: Samples per second of the model on one device, e.g. a
@@ -90,11 +102,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model._timing.reset()  # the epoch's figures start from zero
-        self._first = self._last = None
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self._first is None:
-            self._first = time.perf_counter()
+        self._first, self._last = time.perf_counter(), None  # as Keras' progress bar
 
     def on_train_batch_end(self, batch, logs=None):
         self._last = time.perf_counter()
@@ -125,10 +133,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
             "samples": int(rows.sum()),
             "seconds": seconds,
             "samples_per_second": float(rows.sum() / seconds) if seconds > 0 else float("nan"),
-            "step_seconds": float(figures["step"]) / steps,
+            "step_seconds": seconds / steps,
             # The replicas' clocks run on their own threads: on a busy machine their
             # total can pass the step's by a fraction of a percent; they are part of it.
             "compute_seconds": min(float(figures["slowest"]), float(figures["step"])) / steps,
+            "merge_update_seconds": max(float(figures["step"]) - float(figures["slowest"]), 0.0) / steps,
             "devices": {
                 device: {
                     "rows": int(r),
@@ -140,7 +149,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
             "imbalance": float(busy[used].max() / busy[used].min()) if used.any() and busy[used].min() > 0 else 1.0,
             "split": self.model.split,
         }
-        record["merge_update_seconds"] = record["step_seconds"] - record["compute_seconds"]
+        inside = record["compute_seconds"] + record["merge_update_seconds"]
+        record["loop_seconds"] = max(record["step_seconds"] - inside, 0.0)
         if self.baseline is not None:
             record["scaling_efficiency"] = record["samples_per_second"] / (self.baseline * len(devices))
         return record
@@ -150,7 +160,15 @@ class ThroughputMonitor(keras.callbacks.Callback):
             self._writer = tf.summary.create_file_writer(os.path.join(self._log_dir, "throughput"))
         scalars = {
             key: record[key]
-            for key in ("samples_per_second", "step_seconds", "compute_seconds", "merge_update_seconds", "imbalance", "scaling_efficiency")
+            for key in (
+                "samples_per_second",
+                "step_seconds",
+                "compute_seconds",
+                "merge_update_seconds",
+                "loop_seconds",
+                "imbalance",
+                "scaling_efficiency",
+            )
             if key in record
         }
         for device, figures in record["devices"].items():
@@ -174,7 +192,8 @@ def _line(record) -> str:
     line = (
         f"Epoch {record['epoch']}: {record['samples_per_second']:.0f} samples/s; step "
         f"{record['step_seconds'] * 1e3:.1f} ms = replicas {record['compute_seconds'] * 1e3:.1f} ms + "
-        f"merge/update {record['merge_update_seconds'] * 1e3:.1f} ms; {per_device}; "
+        f"merge/update {record['merge_update_seconds'] * 1e3:.1f} ms + "
+        f"loop/input {record['loop_seconds'] * 1e3:.1f} ms; {per_device}; "
         f"imbalance {record['imbalance']:.2f}x"
     )
     if "scaling_efficiency" in record:
@@ -205,4 +224,24 @@ def attach(model, callbacks) -> None:
             f"Received: callbacks={[type(c).__name__ for c in callbacks]}"
         )
     model._time_steps()
-    found[0]._log_dir = next((c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)), None)
+    log_dir = next((c.log_dir for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)), None)
+    if log_dir is not None and not _tensorboard_installed():
+        # tf.summary's scalars come from the tensorboard package, which TensorFlow
+        # 2.21 no longer installs: Keras' own callback fails at the first epoch's end.
+        warnings.warn(
+            "TensorBoard is not installed, so neither keras.callbacks.TensorBoard nor "
+            "ThroughputMonitor can write its logs (Keras' callback fails at the first epoch's end). "
+            "Install it: pip install tensorboard (or kerasmulti[demo]). The monitor still prints "
+            f"and keeps its records. Received: log_dir={log_dir!r}",
+            stacklevel=3,
+        )
+        log_dir = None
+    found[0]._log_dir = log_dir
+
+
+def _tensorboard_installed() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True

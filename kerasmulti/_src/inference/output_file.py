@@ -96,7 +96,7 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
 
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        _atomic.write(path, build)
+        _atomic.write(path, build, "parallel_predict()", f"output={path!r}")
     except OSError as error:
         # Not h5py's message: it names the temporary, not the user's path.
         # makedirs says EEXIST where a file stands in place of the folder.

@@ -4,11 +4,14 @@ The file is written under a temporary name beside the target (same folder, so
 the same file system), flushed to disk, and renamed over the target with
 `os.replace`, which POSIX and Windows make atomic. A process killed before the
 rename leaves only a temporary behind; `remove_stale_temporaries` clears those
-whose writer is gone.
+whose writer is gone. A write that fails (a full disk, a read-only or vanished
+folder) leaves the target as it was and raises an `OSError` that says so,
+names the target (not the temporary) and says what to do.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import socket
@@ -40,21 +43,27 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def write(target: str, save) -> None:
+def write(target: str, save, caller: str, received: str, then: str = "") -> None:
     """Calls `save(temporary_path)`, then moves the result onto `target`.
 
-    If `save` raises, the temporary is removed and `target` is untouched.
+    If `save` raises, the temporary is removed and `target` is untouched; an
+    `OSError` comes back as one that says so, in `caller`'s name, ending with
+    `then` (what the user can do next) and `Received: {received}`.
     """
     temporary = temporary_path(target)
     try:
+        os.makedirs(os.path.dirname(temporary), exist_ok=True)
         save(temporary)
         _fsync(temporary)
         os.replace(temporary, target)
     except BaseException as error:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+        try:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        except OSError:  # a folder turned read-only: the temporary stays, ignored by readers
+            pass
         if isinstance(error, OSError):
-            _name_target(error, temporary, target)
+            raise _failed(error, temporary, target, caller, received, then) from error
         raise
     try:
         _fsync(os.path.dirname(os.path.abspath(target)))
@@ -62,12 +71,31 @@ def write(target: str, save) -> None:
         pass
 
 
-def _name_target(error: OSError, temporary: str, target: str) -> None:
-    """Makes an error about the temporary name the target: the only file its caller knows."""
-    if error.filename == temporary and error.filename2 is None:
-        error.filename = target
-    elif len(error.args) == 1 and isinstance(error.args[0], str):  # h5py puts the name in its text
-        error.args = (error.args[0].replace(temporary, target),)
+_FIXES = {
+    errno.ENOSPC: "Free some space on that disk, or write to another one.",
+    errno.EDQUOT: "Free some of your disk quota, or write to another disk.",
+    errno.EROFS: "Its file system is read-only: remount it writable, or write to another folder.",
+    errno.EACCES: "Make the folder writable for this user, or write to another folder.",
+    errno.EPERM: "Make the folder writable for this user, or write to another folder.",
+    errno.ENOENT: "Its folder was removed while the file was written: keep it in place while training runs.",
+    errno.ENOTDIR: "A file stands where a folder of its path should be: remove it, or write to another folder.",
+}
+
+
+def _failed(error: OSError, temporary: str, target: str, caller: str, received: str, then: str) -> OSError:
+    """The error to raise for a failed write: what failed, that nothing was lost, the fix."""
+    code = error.errno
+    if code == errno.EEXIST:  # makedirs: a file where a folder of the path should be
+        code = errno.ENOTDIR
+    # h5py's errors name the temporary: the user knows only the target.
+    reason = os.strerror(code) if code else " ".join(str(error).replace(temporary, target).split())[:300]
+    message = (
+        f"{caller} could not write '{target}' ({reason}). The file that was there before, if any, "
+        f"is kept as it was, and no partial file is left in its place. "
+        f"{_FIXES.get(code, 'Check the disk and the folder.')} {then}".rstrip()
+    )
+    message += f" Received: {received}"
+    return OSError(code, message) if code else OSError(message)  # OSError(code, ...) picks its subclass
 
 
 def _alive(pid: int) -> bool:
