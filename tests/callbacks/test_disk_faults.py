@@ -17,9 +17,9 @@ import subprocess
 import keras
 import numpy as np
 import pytest
+from test_callbacks import _no_temporaries, _setup
 
 import kerasmulti
-from test_callbacks import _no_temporaries, _setup
 
 
 @pytest.fixture

@@ -264,6 +264,73 @@ def test_ctrl_c_while_predicting_ends_in_one_line_with_exit_130_and_keeps_the_ro
         np.testing.assert_allclose(f["out"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+# 20 in the issue's acceptance run (benchmarks/results/ctrl-c-2026-11-26.txt); fewer
+# here to keep the suite short: each moment starts TensorFlow once.
+MOMENTS = int(os.environ.get("KERASMULTI_CTRL_C_MOMENTS", "5"))
+
+
+def test_ctrl_c_at_random_moments_of_predict_always_stops_it_and_the_same_command_finishes(tmp_path):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2, name="out")])
+    model.save(tmp_path / "m.keras")
+    x = np.random.default_rng().random((30000, 4)).astype("float32")
+    np.save(tmp_path / "x.npy", x)
+    expected = model.predict(x, verbose=0)
+    out = tmp_path / "out.h5"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env.pop("KERASMULTI_SIMULATE_DEVICES", None)
+    command = [sys.executable, "-m", "kerasmulti", "predict", "m.keras", "x.npy", "--output", str(out), "--batch-size", "20"]
+    line = f"kerasmulti: interrupted; the rows written so far stay in {out}: run the same command to go on"
+
+    def start():
+        stdout = open(tmp_path / "stdout", "w")  # a progress bar, more than a pipe holds
+        return stdout, subprocess.Popen(
+            command, cwd=tmp_path, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # see the test above
+        )
+
+    # One whole run, timed, gives the span the moments are drawn from: start-up
+    # (imports, loading the model), creating the file, predicting, the end.
+    started = time.monotonic()
+    stdout, process = start()
+    assert process.wait(timeout=600) == 0, process.communicate()[1][-3000:]
+    stdout.close()
+    span = time.monotonic() - started
+    os.remove(out)
+    rng = np.random.default_rng()
+    report, finished = [], False
+    # From 0.1 s on: in its first few tens of milliseconds the interpreter is
+    # still starting (importing `site`), and Ctrl-C ends it Python's way, with
+    # a traceback, before any program, this one included, can handle it.
+    for moment in rng.uniform(0.1, span, MOMENTS):
+        if out.exists() and finished:
+            os.remove(out)  # the job finished: the next moment interrupts a new one
+        stdout, process = start()  # or resumes what the previous moment left, as a user would
+        time.sleep(moment)
+        process.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        stderr = process.communicate(timeout=300)[1]  # a hang fails here; the watchdog ends it in 5 s
+        stdout.close()
+        report.append(f"{moment:.2f} s: stopped {time.monotonic() - sent:.2f} s later, exit {process.returncode}")
+        assert process.returncode in (130, 0), f"{report[-1]}\n{stderr[-3000:]}"
+        finished = process.returncode == 0
+        if process.returncode == 130:
+            assert "Traceback" not in stderr, stderr[-3000:]
+            assert [text for text in stderr.splitlines() if "interrupted" in text] == [line], stderr[-3000:]
+        if out.exists():  # rows written so far are right, the rest not yet counted
+            with h5py.File(out, "r") as f:
+                done = int(f.attrs["kerasmulti_rows_done"])
+                np.testing.assert_allclose(f["out"][:done], expected[:done], rtol=1e-5, atol=1e-6)
+            report[-1] += f", {done} of {len(x)} rows done"
+    print("\n".join(report))
+    stdout, process = start()
+    assert process.wait(timeout=600) == 0, process.communicate()[1][-3000:]
+    stdout.close()
+    with h5py.File(out, "r") as f:
+        assert int(f.attrs["kerasmulti_rows_done"]) == len(x)
+        np.testing.assert_allclose(f["out"][:], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
     # TensorFlow swallowed a KeyboardInterrupt inside an import and the command ran on
     # (issue #26): the watchdog the first Ctrl-C starts ends it, with the one line.
@@ -287,6 +354,17 @@ def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
     stderr = process.communicate(timeout=120)[1]  # GRACE_S (5 s) then the exit; generous for a busy machine
     assert process.returncode == 130
     assert stderr.splitlines() == ["kerasmulti: interrupted"]
+
+
+def test_ctrl_c_before_the_command_set_its_handler_is_the_same_one_line(monkeypatch, capsys):
+    from kerasmulti._src.commands import cli as _cli
+
+    def interrupted_parser():
+        raise KeyboardInterrupt  # Ctrl-C while the arguments are parsed
+
+    monkeypatch.setattr(_cli, "_parser", interrupted_parser)
+    assert _cli.main(["predict", "m.keras", "x.npy"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
 
 
 def test_a_command_that_ran_on_after_ctrl_c_reports_it_and_exits_130(monkeypatch, capsys):

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -49,10 +48,10 @@ def test_devices_per_worker_without_gpus_is_refused_before_any_worker_starts():
 
 
 def test_first_failure_stops_the_others_and_sets_the_exit_code():
-    start = time.monotonic()
+    # Worker 0 hangs forever: had it kept the launcher waiting, the run's
+    # timeout (180 s, far past a busy machine's start-up) would fail the test.
     result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "fail-1", "hang-0")
     assert result.returncode == 3
-    assert time.monotonic() - start < 60  # the hanging worker did not keep it waiting
     assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
 
 

@@ -6,8 +6,10 @@ they are marked slow; they still run in CI.
 
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -174,6 +176,40 @@ def test_a_resumed_run_with_shuffled_epochs_ends_like_an_uninterrupted_one(tmp_p
     plain.mkdir()
     _launch_workers("multi_worker_resume.py", str(plain))
     assert not np.allclose(np.load(plain / "final-0.npz")["arr_0"], expected["arr_0"], atol=1e-4)
+
+
+def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_path):
+    # A terminal's Ctrl-C reaches the launcher and its workers alike (one
+    # process group), at a random moment of training here.
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "multi_worker_resume.py"), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a suite in the background ignores it
+    )
+    try:
+        for line in launcher.stdout:  # the backup of epoch 0 is written before its line
+            if line.startswith("[worker 0] epoch 0 done"):
+                break
+        time.sleep(np.random.default_rng().uniform(0, 0.5))
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("kerasmulti:")] == [
+        "kerasmulti: interrupted; stopped the workers. If the script trains with ParallelBackupAndRestore, "
+        "run the same command to resume from its last backup."
+    ]
+    time.sleep(0.5)  # a worker the launcher had not reaped would still be in its group
+    with pytest.raises(ProcessLookupError):
+        os.killpg(launcher.pid, 0)
+    result = _launch_workers("multi_worker_resume.py", str(tmp_path))
+    assert "epoch 0 done" not in result.stdout  # resumed, not started over
+    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
+    expected, got = np.load(tmp_path / "final-reference.npz"), np.load(tmp_path / "final-0.npz")
+    for key in expected.files:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(tmp_path):

@@ -144,7 +144,28 @@ def _launch(args) -> int:
     return _launch.run(args)
 
 
+def program() -> int:
+    """The `kerasmulti` program (the console script, `python -m kerasmulti`): `main`, then its exit.
+
+    Once the command has finished, Ctrl-C is ignored while the interpreter
+    exits (TensorFlow's teardown takes a moment): it could only turn a job
+    that is done into a process killed by SIGINT.
+    """
+    code = main()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command's own handler was set: parsing, say
+        print("kerasmulti: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     # TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the command's
     # output; warnings and errors still show. A value the user set wins. Set
@@ -153,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     # The command is kerasmulti's own program: it runs Keras on TensorFlow
     # unless the user chose a backend (which keras_private then refuses).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    kept = f"; the rows written so far stay in {args.output}: run the same command to go on" if args.command == "predict" else ""
-    ctrl_c = _CtrlC(f"kerasmulti: interrupted{kept}")
+    ctrl_c = _CtrlC(f"kerasmulti: interrupted{_after_interrupt(args)}")
     # The launcher stops its workers itself on Ctrl-C, and must not be cut short.
     watched = args.command in ("demo", "predict") and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, ctrl_c) if watched else None
@@ -171,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         ctrl_c.report()
         return INTERRUPTED
     return code
+
+
+def _after_interrupt(args) -> str:
+    """What the one line says after "interrupted": what was kept, and how to go on."""
+    if args.command == "predict":
+        return f"; the rows written so far stay in {args.output}: run the same command to go on"
+    if args.command == "launch":
+        from kerasmulti._src.multi_worker.supervisor import RESUME_HINT
+
+        return f"; stopped the workers. {RESUME_HINT}"
+    return ""
 
 
 def _run_command(args) -> int:
