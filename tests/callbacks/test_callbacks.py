@@ -357,12 +357,14 @@ def test_other_keras_callbacks_work_on_parallel_models(tmp_path):
     assert glob.glob(str(tmp_path / "tb" / "train" / "events.out.tfevents.*"))
 
 
-def _start_worker(folder, epochs, *extra, fault=None):
+def _start_worker(folder, epochs, *extra, fault=None, interruptible=False):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **({_fault_points.ENV: fault} if fault else {})}
     env.pop("KERASMULTI_SIMULATE_DEVICES", None)
     return subprocess.Popen(
         [sys.executable, WORKER, str(folder), str(epochs), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        # A suite run in the background ignores SIGINT, and so would the worker.
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if interruptible else None,
     )
 
 
@@ -404,17 +406,22 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path):
+# SIGKILL, and Ctrl-C (SIGINT) at a random moment of the next epoch: Python's
+# KeyboardInterrupt stops fit wherever it lands, the backup stays whole.
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path, stop):
     epochs = 6
     straight = tmp_path / "straight"
     process = _start_worker(straight, epochs, "--backup", "--out", str(tmp_path / "straight.npz"))
     assert process.wait(timeout=300) == 0
 
     resumed = tmp_path / "resumed"
-    process = _start_worker(resumed, epochs, "--backup")
+    process = _start_worker(resumed, epochs, "--backup", interruptible=True)
     _wait_for(process, "epoch 3 done")
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    if stop == signal.SIGINT:
+        time.sleep(random.uniform(0, 0.2))
+    process.send_signal(stop)
+    assert process.wait(timeout=120) == -stop
     assert (resumed / "backup").exists()
     process = _start_worker(resumed, epochs, "--backup", "--out", str(tmp_path / "resumed.npz"))
     output, _ = process.communicate(timeout=300)
