@@ -55,6 +55,18 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code():
     assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
 
 
+def test_a_cluster_that_keeps_failing_is_restarted_max_restarts_times_then_fails():
+    result = _kerasmulti("--workers", "2", "--max-restarts", "2", os.path.join(WORKERS, "cluster_info.py"), "fail-1")
+    assert result.returncode == 3
+    restarts = [line for line in result.stdout.splitlines() if "Starting all 2 workers again" in line]
+    assert restarts == [
+        f"kerasmulti launch: worker 1 failed with exit code 3; stopped the others. Starting all 2 workers again "
+        f"(restart {n} of 2): they resume from their last backup." for n in (1, 2)
+    ]
+    assert result.stdout.count("[worker 0] index=0") == 3  # started 3 times in all
+    assert "worker 1 failed with exit code 3; stopped the others. If the script" in result.stdout
+
+
 def test_a_worker_killed_by_a_signal_exits_as_a_shell_would():
     result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "kill-1", "hang-0")
     assert result.returncode == 128 + 9
@@ -144,6 +156,10 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
          "Drop --devices-per-worker. Received: devices_per_worker=2"),
         ([], "needs to know the workers. Pass --workers N"),
         (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
+        (["--workers", "2", "--max-restarts", "-1"], "an int of 0 or more: how many times the workers are all started again"),
+        (["--hosts", "a:1,b:2", "--index", "0", "--max-restarts", "1"],
+         "restarted with the whole job by its scheduler (SLURM: sbatch --requeue), and resumes from its backup. "
+         "Drop --max-restarts, or use --workers. Received: max_restarts=1"),
     ],
 )
 def test_bad_cluster_requests_are_refused(args, message):
@@ -173,6 +189,9 @@ def test_the_notebook_launcher_refuses_once_tensorflow_ran():
         ({"args": "data.csv"}, "Received: args='data.csv'"),
         ({"args": None}, "Received: args=None"),
         ({"args": {"epochs": 2}}, "Received: args={'epochs': 2}"),
+        ({"max_restarts": -1}, "max_restarts must be an int of 0 or more.*Received: max_restarts=-1"),
+        ({"max_restarts": "3"}, "Received: max_restarts='3'"),
+        ({"max_restarts": True}, "Received: max_restarts=True"),
     ],
 )
 def test_the_notebook_launcher_refuses_bad_arguments(arguments, message):

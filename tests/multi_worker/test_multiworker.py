@@ -28,9 +28,9 @@ ENV.pop("TF_CONFIG", None)
 pytestmark = pytest.mark.slow
 
 
-def _launch_workers(script, *args, timeout=300):
+def _launch_workers(script, *args, timeout=300, launcher=()):
     result = subprocess.run(
-        [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, script), *args],
+        [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", *launcher, os.path.join(WORKERS, script), *args],
         capture_output=True, text=True, env=ENV, timeout=timeout,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -206,6 +206,22 @@ def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_pa
         os.killpg(launcher.pid, 0)
     result = _launch_workers("multi_worker_resume.py", str(tmp_path))
     assert "epoch 0 done" not in result.stdout  # resumed, not started over
+    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
+    expected, got = np.load(tmp_path / "final-reference.npz"), np.load(tmp_path / "final-0.npz")
+    for key in expected.files:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_with_max_restarts_a_killed_worker_restarts_the_job_which_ends_with_one_process_weights(tmp_path):
+    # Worker 1 kills itself (SIGKILL) at the end of epoch 1, after the backup;
+    # the restarted job resumes at epoch 2 and finishes.
+    result = _launch_workers("multi_worker_resume.py", str(tmp_path), "--die-at-epoch", "1", launcher=("--max-restarts", "1"))
+    assert (
+        "kerasmulti launch: worker 1 failed with exit code 137 (killed by SIGKILL); stopped the others. "
+        "Starting all 2 workers again (restart 1 of 1): they resume from their last backup."
+    ) in result.stdout
+    assert result.stdout.count("[worker 0] epoch 0 done") == 1  # resumed, not started over
+    assert "[worker 0] epoch 3 done" in result.stdout
     _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
     expected, got = np.load(tmp_path / "final-reference.npz"), np.load(tmp_path / "final-0.npz")
     for key in expected.files:

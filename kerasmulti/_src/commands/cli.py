@@ -114,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int,
         help="under srun (one task per worker): the first port of the workers on each node (default: from SLURM_JOB_ID)",
     )
+    launch.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K",
+        help="with --workers: when a worker fails, start all workers again, up to K times "
+        "(the script resumes from its ParallelBackupAndRestore backup)",
+    )
     launch.add_argument("script", help="the Python script each worker runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser

@@ -1,7 +1,8 @@
 """`kerasmulti launch SCRIPT`: which workers to start, from the command line's options.
 
 - `--workers N`: N workers on this machine, on free ports (`supervisor`),
-  with `--devices-per-worker K` GPUs each.
+  with `--devices-per-worker K` GPUs each, started again after a failure up
+  to `--max-restarts` times.
 - `--hosts h1:port,h2:port --index i`: this machine's worker of a real cluster.
 - A `TF_CONFIG` already set: this machine's worker, as it says.
 - Under `srun`, one task per worker: this task's worker of the job step,
@@ -25,7 +26,15 @@ def run(args) -> int:
     command = [sys.executable, args.script, *args.args]
     _check_combination(args)
     if args.workers is not None:
-        return run_workers(command, args.workers, args.devices_per_worker)
+        return run_workers(command, args.workers, args.devices_per_worker, max_restarts=args.max_restarts)
+    if args.max_restarts:
+        # Each machine runs its own launcher: one alone cannot restart the cluster.
+        raise LaunchError(
+            "--max-restarts restarts the local workers that --workers starts. A worker of a real "
+            "cluster is restarted with the whole job by its scheduler (SLURM: sbatch --requeue), "
+            "and resumes from its backup. Drop --max-restarts, or use --workers. "
+            f"Received: max_restarts={args.max_restarts}"
+        )
     if args.devices_per_worker is not None:
         # It splits the GPUs of this machine among the workers --workers starts.
         raise LaunchError(

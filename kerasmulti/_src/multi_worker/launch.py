@@ -20,7 +20,14 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from kerasmulti._src.multi_worker.supervisor import run_cluster
-from kerasmulti._src.multi_worker.tf_config import LaunchError, check_workers, gpus_per_worker, physical_gpus, worker_environment
+from kerasmulti._src.multi_worker.tf_config import (
+    LaunchError,
+    check_restarts,
+    check_workers,
+    gpus_per_worker,
+    physical_gpus,
+    worker_environment,
+)
 
 # A worker's exit code when its function returned a value that cannot be pickled.
 UNSENDABLE = 3
@@ -31,6 +38,7 @@ def launch(
     args: Sequence[Any] = (),
     workers: int = 2,
     devices_per_worker: int | None = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Runs `function(*args)` as `workers` processes of one local cluster, from a notebook.
 
@@ -54,6 +62,10 @@ def launch(
         devices_per_worker: GPUs per worker (worker i sees GPUs i*K to
             i*K+K-1), or None for all of them. Without GPUs each worker is
             one replica on its CPU: more than 1 is refused.
+        max_restarts: When a worker fails, stop the others and start all
+            workers again, up to this many times (`function` resumes from
+            its `ParallelBackupAndRestore` backup). A return value that
+            cannot be pickled is not retried.
 
     Returns:
         The list of the workers' return values, worker 0 first.
@@ -61,7 +73,8 @@ def launch(
     Raises:
         LaunchError: A `ValueError` if `function` is not callable, `args`
             not a tuple or list, `workers` or `devices_per_worker` not a
-            positive int, or more GPUs are asked for than this machine has.
+            positive int, `max_restarts` not an int of 0 or more, or more
+            GPUs are asked for than this machine has.
         RuntimeError: If TensorFlow already ran in this process, or a worker
             failed (its traceback is printed above the error).
 
@@ -91,6 +104,7 @@ def launch(
             f"in workers=. Received: args={args!r}"
         )
     check_workers(workers, devices_per_worker)
+    check_restarts(max_restarts)
     if _tensorflow_started():
         # Workers are forks of this process, and a process can join a
         # cluster only before TensorFlow's first op.
@@ -113,7 +127,7 @@ def launch(
         receivers[index] = _receive(receiver)
         return _Forked(process), os.fdopen(read_fd, "r", errors="replace")
 
-    processes, failed = run_cluster(start, workers, sys.stdout)
+    processes, failed = run_cluster(start, workers, sys.stdout, max_restarts, final=(UNSENDABLE,))
     if failed is not None and processes[failed].returncode == UNSENDABLE:
         raise RuntimeError(
             f"Worker {failed} finished, but its return value cannot be pickled to send it back "

@@ -9,7 +9,10 @@ with `multiprocessing.connection.wait`.
 
 Local ports are chosen free, but another process can bind one before its
 worker does; that worker then exits with `EXIT_PORT_TAKEN`, and the cluster
-is started again on other ports.
+is started again on other ports. With `max_restarts` K, a failed cluster is
+started again whole, up to K times, as torchrun does: the script resumes from
+its own backup (`ParallelBackupAndRestore`), so no finished epoch is lost. A
+stopped launcher (Ctrl-C, SIGTERM) never restarts.
 """
 
 from __future__ import annotations
@@ -23,19 +26,30 @@ import threading
 from multiprocessing import connection
 from typing import Callable
 
-from kerasmulti._src.multi_worker.tf_config import check_workers, gpus_per_worker, local_hosts, physical_gpus, worker_environment
+from kerasmulti._src.multi_worker.tf_config import (
+    check_restarts,
+    check_workers,
+    gpus_per_worker,
+    local_hosts,
+    physical_gpus,
+    worker_environment,
+)
 from kerasmulti._src.startup import EXIT_PORT_TAKEN
 
 PORT_ATTEMPTS = 3
 
 
-def run_workers(command: list[str], workers: int, devices_per_worker: int | None = None, out=None) -> int:
+def run_workers(
+    command: list[str], workers: int, devices_per_worker: int | None = None, out=None, max_restarts: int = 0
+) -> int:
     """Runs `command` as `workers` local processes of one cluster; returns the exit code.
 
-    0 when every worker succeeded; otherwise the code of the first worker that
-    failed, after the others have been stopped.
+    0 when every worker succeeded (after up to `max_restarts` restarts of the
+    whole cluster); otherwise the code of the first worker that failed, after
+    the others have been stopped.
     """
     check_workers(workers, devices_per_worker)
+    check_restarts(max_restarts)
     out = out or sys.stdout
     gpus = gpus_per_worker(workers, devices_per_worker, physical_gpus() if devices_per_worker else 0)
 
@@ -44,7 +58,7 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         return process, process.stdout
 
-    processes, failed = run_cluster(start, workers, out)
+    processes, failed = run_cluster(start, workers, out, max_restarts)
     if failed is None:
         return 0
     code = exit_code(processes[failed].returncode)
@@ -59,15 +73,34 @@ def run_workers(command: list[str], workers: int, devices_per_worker: int | None
 RESUME_HINT = "If the script trains with ParallelBackupAndRestore, run the same command to resume from its last backup."
 
 
-def run_cluster(start: Callable, workers: int, out) -> tuple[list, int | None]:
+def run_cluster(start: Callable, workers: int, out, max_restarts: int = 0, final: tuple = ()) -> tuple[list, int | None]:
     """Starts `workers` workers on free localhost ports and waits until they end.
 
     `start(hosts, index)` starts worker `index` of `hosts` and returns the
     process (a `subprocess.Popen`, or an object with its methods and a
     `sentinel`) and the stream of its output. Returns the processes and the
-    index of the first that failed, or None. When that worker found its
-    port taken, all start again on other ports, up to `PORT_ATTEMPTS` times.
+    index of the first that failed, or None. When a worker fails, all start
+    again, up to `max_restarts` times, unless its exit code is in `final`
+    (a failure that another try would repeat).
     """
+    for restart in range(max_restarts + 1):
+        processes, failed = _run_on_free_ports(start, workers, out)
+        if failed is None or restart == max_restarts or processes[failed].returncode in final:
+            return processes, failed
+        out.write(
+            f"kerasmulti launch: worker {failed} failed with exit code {exit_code(processes[failed].returncode)}"
+            f"{_cause(processes[failed].returncode)}; stopped the others. Starting all {workers} workers "
+            f"again (restart {restart + 1} of {max_restarts}): they resume from their last backup.\n"
+        )
+        out.flush()
+
+
+def _cause(returncode: int) -> str:
+    return f" (killed by {_signal_name(-returncode)})" if returncode < 0 else ""
+
+
+def _run_on_free_ports(start: Callable, workers: int, out) -> tuple[list, int | None]:
+    """One run of the cluster; when a worker found its port taken, all start again on other ports."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
         hosts = local_hosts(workers)
         processes, streams, pumps = [], [], []

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from kerasmulti._src.startup import ENV_JOIN
-from kerasmulti._src.utils.arguments import is_positive_int
+from kerasmulti._src.utils.arguments import is_int, is_positive_int
 
 SLURM_PORTS_PER_JOB = 8
 
@@ -97,6 +97,15 @@ def check_workers(workers, devices_per_worker=None) -> None:
         raise LaunchError(
             "devices_per_worker must be a positive int, the GPUs each worker "
             f"gets, or None. Received: devices_per_worker={devices_per_worker!r}"
+        )
+
+
+def check_restarts(max_restarts) -> None:
+    """Refuses a `max_restarts` that is not an int of 0 or more."""
+    if not (is_int(max_restarts) and max_restarts >= 0):
+        raise LaunchError(
+            "max_restarts must be an int of 0 or more: how many times the workers are all started "
+            f"again after one fails. Received: max_restarts={max_restarts!r}"
         )
 
 
