@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import keras
 import numpy as np
@@ -135,12 +134,15 @@ def _worker(index, hosts, script, **env):
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
     # TensorFlow alone would wait an hour (the chief) and ignore SIGTERM.
+    # A worker still waiting after 120 s (30 times its join timeout, room for
+    # a busy machine's start-up) fails the test, and is not left behind.
     hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
-    started = time.monotonic()
     worker = _worker(index, hosts, WAIT_SCRIPT, KERASMULTI_JOIN_TIMEOUT="4")
-    _, stderr = worker.communicate(timeout=120)
+    try:
+        _, stderr = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
     assert worker.returncode != 0
-    assert time.monotonic() - started < 60
     assert "ClusterError" in stderr
     assert "Not every worker joined within 4 s" in stderr and "KERASMULTI_JOIN_TIMEOUT" in stderr
     assert f'Received: TF_CONFIG=\'{_tf_config.tf_config(hosts, index)}\'' in stderr
@@ -154,11 +156,10 @@ def test_workers_that_joined_stop_on_sigterm():
     try:
         for worker in workers:
             assert worker.stdout.readline().strip() == "joined"
-        stopped = time.monotonic()
         for worker in workers:
             worker.terminate()
+        # Stopped by the signal, not by the join's own timeout or a kill (30 s: a busy machine's margin).
         assert [worker.wait(timeout=30) for worker in workers] == [-signal.SIGTERM] * 2
-        assert time.monotonic() - stopped < 5
     finally:
         for worker in workers:
             worker.kill()

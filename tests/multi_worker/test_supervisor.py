@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -24,11 +23,10 @@ def _python(code):
 def test_the_first_failure_wakes_the_supervisor_while_the_others_run(monkeypatch, pidfd):
     if not pidfd:
         monkeypatch.delattr(os, "pidfd_open", raising=False)  # as on macOS
-    processes = [_python("import time; time.sleep(60)"), _python("import sys, time; time.sleep(0.5); sys.exit(3)")]
-    started = time.monotonic()
+    processes = [_python("import time; time.sleep(300)"), _python("import sys, time; time.sleep(0.5); sys.exit(3)")]
     try:
         assert _supervisor._first_failure(processes) == 1
-        assert time.monotonic() - started < 30
+        # Woken while the other still runs: no clock needed.
         assert processes[0].poll() is None and processes[1].returncode == 3
     finally:
         _supervisor._stop(processes)
