@@ -111,12 +111,16 @@ LOSS_SCALE_ATTRIBUTES = ("inner_optimizer", "dynamic_scale", "step_counter", "dy
 # Joining a cluster with a deadline (`cluster._join`): the coordination
 # service is what MultiWorkerMirroredStrategy configures itself, but without
 # `cluster_register_timeout_in_ms` a missing worker blocks for an hour.
-from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # noqa: E402
 from tensorflow.python.distribute import multi_worker_util  # noqa: E402
 
 # TensorFlow's runtime context: whether it started (a forked launch cannot use
 # it then) and its coordination service. No public name tells either.
 from tensorflow.python.eager import context as eager_context  # noqa: E402
+
+# The coordination service's config proto moved (TensorFlow 2.16 and 2.17:
+# tensorflow.tsl.protobuf; 2.18 on: tensorflow.compiler.xla.tsl.protobuf):
+# the module TensorFlow's own context imported is the one this TensorFlow has.
+coordination_config_pb2 = eager_context.coordination_config_pb2
 
 # Whether a GradientTape is recording: a user's tape cannot see replicas that
 # run on threads of their own. TensorFlow has no public way to ask.
