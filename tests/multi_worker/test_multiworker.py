@@ -111,6 +111,14 @@ def _start_worker(hosts, index, log, *args):
     )
 
 
+@pytest.fixture(scope="module")
+def resume_reference(tmp_path_factory):
+    """The weights multi_worker_resume.py ends with, trained in one process without interruption."""
+    out = tmp_path_factory.mktemp("reference")
+    _one_process("multi_worker_resume.py", str(out), "--reference")
+    return np.load(out / "final-reference.npz")
+
+
 def _killed_at_epoch_1(out, *args):
     """Two workers, worker 1 killed at the end of epoch 1: (chief, doomed, seconds the chief went on)."""
     hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
@@ -128,7 +136,7 @@ def _killed_at_epoch_1(out, *args):
     return chief, doomed, time.monotonic() - died
 
 
-def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path):
+def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_lost(tmp_path, resume_reference):
     chief, doomed, stopped = _killed_at_epoch_1(tmp_path)
     output = (tmp_path / "log-0.txt").read_text()
     assert doomed.returncode == -9
@@ -144,8 +152,7 @@ def test_a_killed_worker_stops_the_others_and_a_restart_resumes_with_nothing_los
     assert "[worker 0] epoch 3 done" in restarted.stdout
     assert "[worker 0] 4/4 - " in restarted.stdout  # progress lines: the chief's only
     assert "[worker 1] 4/4 - " not in restarted.stdout
-    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
-    reference = np.load(tmp_path / "final-reference.npz")
+    reference = resume_reference
     for index in range(2):
         final = np.load(tmp_path / f"final-{index}.npz")
         for key in reference.files:
@@ -178,7 +185,7 @@ def test_a_resumed_run_with_shuffled_epochs_ends_like_an_uninterrupted_one(tmp_p
     assert not np.allclose(np.load(plain / "final-0.npz")["arr_0"], expected["arr_0"], atol=1e-4)
 
 
-def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_path):
+def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_path, resume_reference):
     # A terminal's Ctrl-C reaches the launcher and its workers alike (one
     # process group), at a random moment of training here.
     launcher = subprocess.Popen(
@@ -206,13 +213,12 @@ def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_pa
         os.killpg(launcher.pid, 0)
     result = _launch_workers("multi_worker_resume.py", str(tmp_path))
     assert "epoch 0 done" not in result.stdout  # resumed, not started over
-    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
-    expected, got = np.load(tmp_path / "final-reference.npz"), np.load(tmp_path / "final-0.npz")
+    expected, got = resume_reference, np.load(tmp_path / "final-0.npz")
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def test_with_max_restarts_a_killed_worker_restarts_the_job_which_ends_with_one_process_weights(tmp_path):
+def test_with_max_restarts_a_killed_worker_restarts_the_job_which_ends_with_one_process_weights(tmp_path, resume_reference):
     # Worker 1 kills itself (SIGKILL) at the end of epoch 1, after the backup;
     # the restarted job resumes at epoch 2 and finishes.
     result = _launch_workers("multi_worker_resume.py", str(tmp_path), "--die-at-epoch", "1", launcher=("--max-restarts", "1"))
@@ -222,8 +228,7 @@ def test_with_max_restarts_a_killed_worker_restarts_the_job_which_ends_with_one_
     ) in result.stdout
     assert result.stdout.count("[worker 0] epoch 0 done") == 1  # resumed, not started over
     assert "[worker 0] epoch 3 done" in result.stdout
-    _one_process("multi_worker_resume.py", str(tmp_path), "--reference")
-    expected, got = np.load(tmp_path / "final-reference.npz"), np.load(tmp_path / "final-0.npz")
+    expected, got = resume_reference, np.load(tmp_path / "final-0.npz")
     for key in expected.files:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
