@@ -55,8 +55,11 @@ from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 # depthwise layers) its `conv` runs an XLA function that reads the kernel
 # variable itself, which XLA refuses on a replica's device (the variable lives
 # on the first). `replicas.py` has it read the kernel first; no public
-# name reaches that path.
-from keras.src.backend.tensorflow import nn as tensorflow_nn
+# name reaches that path. Keras 3.16 moves the backend's op modules into `ops/`.
+try:
+    from keras.src.backend.tensorflow.ops import nn as tensorflow_nn
+except ImportError:  # Keras 3.15 and earlier
+    from keras.src.backend.tensorflow import nn as tensorflow_nn
 
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
 # loss reduces through, so a replica's share of the batch's loss is patched in
