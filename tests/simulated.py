@@ -9,6 +9,7 @@ the custom steps does, in a process of its own).
 
 import os
 
+import pytest
 import tensorflow as tf
 
 import kerasmulti
@@ -22,3 +23,10 @@ DEVICES = int(os.environ.get("KERASMULTI_TEST_DEVICES", "3"))
 # TensorFlow, after which threading can no longer be set.
 tf.config.threading.set_inter_op_parallelism_threads(2 * DEVICES)
 kerasmulti.simulate_devices(DEVICES)
+
+# Joining a cluster of workers is refused before TensorFlow 2.20 (docs/limitations.md,
+# "Versions"): tests that start real workers need it. Their refusal has a test of its own.
+NEEDS_CLUSTER = pytest.mark.skipif(
+    tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) < (2, 20),
+    reason=f"multi-worker training needs TensorFlow 2.20 or later; this is {tf.version.VERSION}",
+)

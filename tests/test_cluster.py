@@ -1,6 +1,6 @@
 """Reading TF_CONFIG and joining a cluster: the errors a user can fix."""
 
-import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorFlow starts
 
 import os
 import signal
@@ -132,6 +132,7 @@ def _worker(index, hosts, script, **env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1])
+@NEEDS_CLUSTER
 def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
     # TensorFlow alone would wait an hour (the chief) and ignore SIGTERM.
     # A worker still waiting after 120 s (30 times its join timeout, room for
@@ -149,6 +150,7 @@ def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
 
 
 @pytest.mark.slow
+@NEEDS_CLUSTER
 def test_workers_that_joined_stop_on_sigterm():
     # TensorFlow's own SIGTERM handler only logs; a launcher must be able to stop workers.
     hosts = [f"localhost:{port}" for port in _tf_config.free_ports(2)]
@@ -164,6 +166,16 @@ def test_workers_that_joined_stop_on_sigterm():
         for worker in workers:
             worker.kill()
             worker.communicate()
+
+
+def test_joining_a_cluster_on_a_tensorflow_before_2_20_is_refused(monkeypatch):
+    # Those releases cannot put a deadline on joining: a missing worker would block the rest.
+    from kerasmulti._src import keras_private as _keras_private
+
+    monkeypatch.setattr(_keras_private, "tensorflow_version", lambda: (2, 19))
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["localhost:1", "localhost:2"], 0))
+    with pytest.raises(_cluster.ClusterError, match=r"needs TensorFlow 2.20 or later.*pip install 'tensorflow>=2.20,<2.22'.*Received: tensorflow="):
+        _cluster._join(5.0)
 
 
 def test_a_bad_join_timeout_is_refused(monkeypatch):

@@ -11,6 +11,7 @@ import os
 
 import keras
 import pytest
+import tensorflow as tf
 
 from kerasmulti._src import keras_private as _keras_private
 
@@ -128,6 +129,11 @@ def test_private_tensorflow_runtime_keeps_the_attributes_used():
         assert name in parameters, f"configure_coordination_service lost {name!r}"
     job = _keras_private.coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=2)
     assert (job.name, job.num_tasks) == ("worker", 2)
+    # The registration barrier the join's deadline needs; before 2.20 joining is refused.
+    fields = _keras_private.coordination_config_pb2.CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    assert _keras_private.tensorflow_version() == tuple(int(p) for p in tf.version.VERSION.split(".")[:2])
+    if _keras_private.tensorflow_version() >= _keras_private.CLUSTER_TENSORFLOW:
+        assert "cluster_register_with_barrier" in fields
     assert issubclass(_keras_private.Functional, keras.Model)
     assert inspect.signature(_keras_private.Functional.__init__).parameters.keys() >= {"inputs", "outputs"}
 

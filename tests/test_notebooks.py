@@ -98,6 +98,11 @@ def test_kernel_runs_this_python(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=_ids)
 def test_notebook_runs(notebook, tmp_path, monkeypatch):
+    if "multi_worker" in notebook.name:
+        from simulated import NEEDS_CLUSTER
+
+        if NEEDS_CLUSTER.args[0]:
+            pytest.skip(NEEDS_CLUSTER.kwargs["reason"])
     _kernel_environment(monkeypatch)
     nb = nbformat.read(notebook, as_version=4)
     _execute(nb, tmp_path)

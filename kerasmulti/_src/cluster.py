@@ -216,8 +216,19 @@ def join_timeout() -> float:
 
 
 def _join(timeout_s: float):
+    from kerasmulti._src import keras_private
     from kerasmulti._src.keras_private import coordination_config_pb2, multi_worker_util
     from kerasmulti._src.keras_private import eager_context as context
+
+    if keras_private.tensorflow_version() < keras_private.CLUSTER_TENSORFLOW:
+        # Without the registration barrier a missing worker would block the others for an hour.
+        raise ClusterError(
+            "Training across workers needs TensorFlow 2.20 or later: older releases cannot put a "
+            "deadline on joining the cluster, so one missing worker would block the others for an "
+            "hour. Upgrade TensorFlow (pip install 'tensorflow>=2.20,<2.22'), or train in one "
+            "process (parallelize() without TF_CONFIG works on this TensorFlow). "
+            f"Received: tensorflow={tf.version.VERSION}"
+        )
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     spec = resolver.cluster_spec()

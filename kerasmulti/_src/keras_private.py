@@ -125,6 +125,20 @@ from tensorflow.python.eager import context as eager_context  # noqa: E402
 # the module TensorFlow's own context imported is the one this TensorFlow has.
 coordination_config_pb2 = eager_context.coordination_config_pb2
 
+# The deadline needs the registration barrier (`cluster_register_with_barrier`),
+# absent before TensorFlow 2.19; on 2.19.1 a worker other than the chief still
+# missed it at times (3 runs of 5). Joining is refused before 2.20.
+CLUSTER_TENSORFLOW = (2, 20)
+
+
+def tensorflow_version() -> tuple[int, int]:
+    """The running TensorFlow's (major, minor)."""
+    import tensorflow as tf
+
+    major, minor = tf.version.VERSION.split(".")[:2]
+    return int(major), int(minor)
+
+
 # Whether a GradientTape is recording: a user's tape cannot see replicas that
 # run on threads of their own. TensorFlow has no public way to ask.
 from tensorflow.python.eager import record  # noqa: E402
@@ -372,13 +386,13 @@ def tensorflow_started() -> bool:
 
 
 __all__ = [
-    "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_position", "checkpoint_file_path",
+    "CLUSTER_TENSORFLOW", "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_position", "checkpoint_file_path",
     "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
     "optimizer_trainable_variables", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics",
     "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
-    "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "uses_weight_decay",
+    "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
     "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn",

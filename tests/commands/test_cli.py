@@ -367,6 +367,32 @@ def test_ctrl_c_before_the_command_set_its_handler_is_the_same_one_line(monkeypa
     assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
 
 
+def test_an_error_that_a_ctrl_c_became_inside_a_c_call_is_the_interrupt(monkeypatch, capsys):
+    from kerasmulti._src.commands import cli as _cli
+
+    def interrupted_in_c(args):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            # What numpy's __array__ under tf.convert_to_tensor turned it into.
+            raise SystemError("<built-in function __array__> returned a result with an exception set") from None
+
+    monkeypatch.setattr(_cli, "_run_command", interrupted_in_c)
+    assert _cli.main(["demo"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
+
+
+def test_an_error_without_ctrl_c_is_not_taken_for_one(monkeypatch):
+    from kerasmulti._src.commands import cli as _cli
+
+    def failing(args):
+        raise SystemError("a real failure")
+
+    monkeypatch.setattr(_cli, "_run_command", failing)
+    with pytest.raises(SystemError, match="a real failure"):
+        _cli.main(["demo"])
+
+
 def test_a_command_that_ran_on_after_ctrl_c_reports_it_and_exits_130(monkeypatch, capsys):
     from kerasmulti._src.commands import cli as _cli
 

@@ -1,6 +1,6 @@
 """kerasmulti launch and launch(): local workers, --hosts, TF_CONFIG, SLURM, first failure wins."""
 
-import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorFlow starts
 
 import os
 import signal
@@ -108,6 +108,7 @@ def _consecutive_free_ports():
 
 
 @pytest.mark.slow
+@NEEDS_CLUSTER
 def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
     """Two tasks of `srun --ntasks=2 kerasmulti launch`, as SLURM starts them on one node."""
     script = os.path.join(WORKERS, "multi_worker_resume.py")
@@ -208,6 +209,7 @@ def _notebook_launch(mode):
 
 
 @pytest.mark.slow
+@NEEDS_CLUSTER
 def test_the_notebook_launcher_trains_across_workers_and_returns_their_results():
     result = _notebook_launch("ok")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -217,6 +219,7 @@ def test_the_notebook_launcher_trains_across_workers_and_returns_their_results()
 
 
 @pytest.mark.slow
+@NEEDS_CLUSTER
 def test_the_notebook_launcher_reports_a_failed_worker():
     result = _notebook_launch("fail")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -226,6 +229,7 @@ def test_the_notebook_launcher_reports_a_failed_worker():
 
 
 @pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
+@NEEDS_CLUSTER
 def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
     result = _notebook_launch("unloadable")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -234,6 +238,7 @@ def test_a_value_the_launcher_cannot_unpickle_is_a_clear_error():
 
 
 @pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
+@NEEDS_CLUSTER
 def test_a_value_a_worker_cannot_pickle_is_a_clear_error():
     result = _notebook_launch("unpicklable")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

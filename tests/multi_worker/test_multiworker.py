@@ -4,7 +4,7 @@ Each test starts 2 TensorFlow processes (several seconds of import each), so
 they are marked slow; they still run in CI.
 """
 
-import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorFlow starts
 
 import contextlib
 import json
@@ -25,7 +25,7 @@ ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 ENV.pop("KERASMULTI_SIMULATE_DEVICES", None)
 ENV.pop("TF_CONFIG", None)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, NEEDS_CLUSTER]
 
 
 def _launch_workers(script, *args, timeout=300, launcher=()):

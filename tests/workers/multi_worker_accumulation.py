@@ -58,7 +58,9 @@ def train(phase, template, optimizer, epochs):
 
 train("adam", model(), keras.optimizers.Adam(0.05, gradient_accumulation_steps=2), epochs=[3])
 schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, decay_rate=0.8)
-adamw = keras.optimizers.AdamW(schedule, weight_decay=0.1, global_clipnorm=0.5, gradient_accumulation_steps=3)
+adamw = keras.optimizers.AdamW(
+    schedule, weight_decay=0.1, global_clipnorm=0.5, gradient_accumulation_steps=3, name="adam_w"  # Keras 3.14 names it "adamw"
+)
 train("adamw", model(batchnorm=True), adamw, epochs=[2, 2])
 
 if not reference:

@@ -187,6 +187,13 @@ def _main(argv: list[str] | None) -> int:
         code = _run_command(args)
     except KeyboardInterrupt:
         code = INTERRUPTED
+    except Exception:
+        # A Ctrl-C inside a C call can surface as another error (numpy's
+        # `__array__` under TensorFlow: "SystemError: ... returned a result with
+        # an exception set"): after Ctrl-C, any error is the interrupt.
+        if not ctrl_c.pressed:
+            raise
+        code = INTERRUPTED
     finally:
         if watched:
             signal.signal(signal.SIGINT, previous)
