@@ -174,7 +174,15 @@ def test_joining_a_cluster_on_a_tensorflow_before_2_20_is_refused(monkeypatch):
 
     monkeypatch.setattr(_keras_private, "tensorflow_version", lambda: (2, 19))
     monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["localhost:1", "localhost:2"], 0))
-    with pytest.raises(_cluster.ClusterError, match=r"needs TensorFlow 2.20 or later.*pip install 'tensorflow>=2.20,<2.22'.*Received: tensorflow="):
+    with pytest.raises(_cluster.ClusterError, match=r"needs TensorFlow 2.20 or later.*pip install 'tensorflow>=2.20'.*Received: tensorflow="):
+        _cluster._join(5.0)
+
+
+def test_joining_on_a_tensorflow_without_the_coordination_config_is_refused(monkeypatch):
+    from kerasmulti._src import keras_private as _keras_private
+
+    monkeypatch.setattr(_keras_private, "coordination_config_pb2", None)
+    with pytest.raises(_cluster.ClusterError, match=r"cannot join a cluster: use a TensorFlow that setup.cfg declares.*Received: tensorflow="):
         _cluster._join(5.0)
 
 

@@ -220,12 +220,19 @@ def _join(timeout_s: float):
     from kerasmulti._src.keras_private import coordination_config_pb2, multi_worker_util
     from kerasmulti._src.keras_private import eager_context as context
 
+    if coordination_config_pb2 is None:  # a TensorFlow newer than those declared
+        raise ClusterError(
+            "This TensorFlow keeps the coordination service's config where kerasmulti does not look, "
+            "so it cannot join a cluster: use a TensorFlow that setup.cfg declares. "
+            f"Received: tensorflow={tf.version.VERSION}"
+        )
     if keras_private.tensorflow_version() < keras_private.CLUSTER_TENSORFLOW:
         # Without the registration barrier a missing worker would block the others for an hour.
+        needed = ".".join(map(str, keras_private.CLUSTER_TENSORFLOW))
         raise ClusterError(
-            "Training across workers needs TensorFlow 2.20 or later: older releases cannot put a "
+            f"Training across workers needs TensorFlow {needed} or later: older releases cannot put a "
             "deadline on joining the cluster, so one missing worker would block the others for an "
-            "hour. Upgrade TensorFlow (pip install 'tensorflow>=2.20,<2.22'), or train in one "
+            f"hour. Upgrade TensorFlow (pip install 'tensorflow>={needed}'), or train in one "
             "process (parallelize() without TF_CONFIG works on this TensorFlow). "
             f"Received: tensorflow={tf.version.VERSION}"
         )

@@ -123,7 +123,8 @@ from tensorflow.python.eager import context as eager_context  # noqa: E402
 # The coordination service's config proto moved (TensorFlow 2.16 and 2.17:
 # tensorflow.tsl.protobuf; 2.18 on: tensorflow.compiler.xla.tsl.protobuf):
 # the module TensorFlow's own context imported is the one this TensorFlow has.
-coordination_config_pb2 = eager_context.coordination_config_pb2
+# None if neither is there: only joining a cluster needs it (`cluster._join`).
+coordination_config_pb2 = getattr(eager_context, "coordination_config_pb2", None)
 
 # The deadline needs the registration barrier (`cluster_register_with_barrier`),
 # absent before TensorFlow 2.19; on 2.19.1 a worker other than the chief still

@@ -421,7 +421,9 @@ def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp
     if stop == signal.SIGINT:
         time.sleep(random.uniform(0, 0.2))
     process.send_signal(stop)
-    assert process.wait(timeout=120) == -stop
+    # Python's KeyboardInterrupt ends it by SIGINT; inside a C call TensorFlow can
+    # turn it into another error first (exit 1). Either way the backup is whole.
+    assert process.wait(timeout=120) in ((-stop,) if stop == signal.SIGKILL else (-stop, 1))
     assert (resumed / "backup").exists()
     process = _start_worker(resumed, epochs, "--backup", "--out", str(tmp_path / "resumed.npz"))
     output, _ = process.communicate(timeout=300)

@@ -156,21 +156,21 @@ def program() -> int:
     exits (TensorFlow's teardown takes a moment): it could only turn a job
     that is done into a process killed by SIGINT.
     """
-    code = main()
+    code = main(_ignore_ctrl_c_after=True)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # also after `launch` and `devices`
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, _ignore_ctrl_c_after: bool = False) -> int:
     try:
-        return _main(argv)
+        return _main(argv, _ignore_ctrl_c_after)
     except KeyboardInterrupt:  # before the command's own handler was set: parsing, say
         print("kerasmulti: interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
     args = _parser().parse_args(argv)
     # TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the command's
     # output; warnings and errors still show. A value the user set wins. Set
@@ -184,7 +184,7 @@ def _main(argv: list[str] | None) -> int:
     watched = args.command in ("demo", "predict") and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, ctrl_c) if watched else None
     try:
-        code = _run_command(args)
+        code = _run_command(args, ctrl_c)
     except KeyboardInterrupt:
         code = INTERRUPTED
     except Exception:
@@ -196,7 +196,8 @@ def _main(argv: list[str] | None) -> int:
         code = INTERRUPTED
     finally:
         if watched:
-            signal.signal(signal.SIGINT, previous)
+            # `program` ignores Ctrl-C from here on: no gap in which one would kill a finished job.
+            signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_ctrl_c_after else previous)
         ctrl_c.stand_down()
     if code == INTERRUPTED or ctrl_c.pressed:
         # Also when TensorFlow swallowed the KeyboardInterrupt and the command ran on.
@@ -216,7 +217,7 @@ def _after_interrupt(args) -> str:
     return ""
 
 
-def _run_command(args) -> int:
+def _run_command(args, ctrl_c: _CtrlC) -> int:
     import kerasmulti
 
     if args.command == "launch":
@@ -242,6 +243,8 @@ def _run_command(args) -> int:
             gpus=args.gpus, epochs=args.epochs, batch_size=args.batch_size, output=args.output
         )
     except (ValueError, RuntimeError, OSError) as error:
+        if ctrl_c.pressed:  # what the interrupt became: one line says so, not two
+            raise KeyboardInterrupt from error
         print(f"kerasmulti: error: {error}", file=sys.stderr)
         return 2
 

@@ -17,13 +17,14 @@ import os
 import sys
 
 from kerasmulti._src.multi_worker.supervisor import run_one, run_workers
-from kerasmulti._src.multi_worker.tf_config import LaunchError, in_slurm_step, parse_hosts, slurm_tf_config, tf_config
+from kerasmulti._src.multi_worker.tf_config import LaunchError, check_restarts, in_slurm_step, parse_hosts, slurm_tf_config, tf_config
 from kerasmulti._src.startup import ENV_CONFIG, ENV_JOIN
 
 
 def run(args) -> int:
     """Runs `kerasmulti launch` as its parsed `args` say; returns the exit code."""
     command = [sys.executable, args.script, *args.args]
+    check_restarts(args.max_restarts)
     _check_combination(args)
     if args.workers is not None:
         return run_workers(command, args.workers, args.devices_per_worker, max_restarts=args.max_restarts)

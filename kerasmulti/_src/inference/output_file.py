@@ -100,11 +100,11 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
     except OSError as error:
         # Not h5py's message: it names the temporary, not the user's path.
         # makedirs says EEXIST where a file stands in place of the folder.
-        code = errno.ENOTDIR if error.errno == errno.EEXIST else error.errno
+        code = errno.ENOTDIR if error.errno == errno.EEXIST else _atomic.error_code(error)
         reason = os.strerror(code) if code else "it could not be written"
         raise ValueError(
-            f"parallel_predict() could not create '{path}' ({reason}). Make its folder writable, "
-            f"or choose another path. Received: output={path!r}"
+            f"parallel_predict() could not create '{path}' ({reason}). {_atomic.fix_for(code)} "
+            f"Or choose another path. Received: output={path!r}"
         ) from error
 
 

@@ -83,16 +83,21 @@ def run_cluster(start: Callable, workers: int, out, max_restarts: int = 0, final
     again, up to `max_restarts` times, unless its exit code is in `final`
     (a failure that another try would repeat).
     """
-    for restart in range(max_restarts + 1):
-        processes, failed = _run_on_free_ports(start, workers, out)
-        if failed is None or restart == max_restarts or processes[failed].returncode in final:
-            return processes, failed
-        out.write(
-            f"kerasmulti launch: worker {failed} failed with exit code {exit_code(processes[failed].returncode)}"
-            f"{_cause(processes[failed].returncode)}; stopped the others. Starting all {workers} workers "
-            f"again (restart {restart + 1} of {max_restarts}): they resume from their last backup.\n"
-        )
-        out.flush()
+    with _stopped_with_this_process():  # also while workers start, and between restarts
+        for restart in range(max_restarts + 1):
+            processes, failed = _run_on_free_ports(start, workers, out)
+            if failed is None or restart == max_restarts or processes[failed].returncode in final:
+                return processes, failed
+            _say_restart(out, processes, failed, workers, restart, max_restarts)
+
+
+def _say_restart(out, processes, failed: int, workers: int, restart: int, max_restarts: int) -> None:
+    out.write(
+        f"kerasmulti launch: worker {failed} failed with exit code {exit_code(processes[failed].returncode)}"
+        f"{_cause(processes[failed].returncode)}; stopped the others. Starting all {workers} workers "
+        f"again (restart {restart + 1} of {max_restarts}): they resume from their last backup.\n"
+    )
+    out.flush()
 
 
 def _cause(returncode: int) -> str:
@@ -214,12 +219,18 @@ def _stop(processes) -> None:
     for p in processes:
         if p.poll() is None:
             p.terminate()
-    for p in processes:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    try:
+        for p in processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    except BaseException:  # a second Ctrl-C while waiting: none is left running
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        raise
 
 
 def _pump(stream, prefix: str, out) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import re
 import socket
 import uuid
 
@@ -53,6 +54,10 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
     temporary = temporary_path(target)
     try:
         os.makedirs(os.path.dirname(temporary), exist_ok=True)
+    except OSError as error:  # EEXIST here: a file where a folder of the path should be
+        code = errno.ENOTDIR if error.errno == errno.EEXIST else error.errno
+        raise _failed(error, temporary, target, caller, received, then, code) from error
+    try:
         save(temporary)
         _fsync(temporary)
         os.replace(temporary, target)
@@ -82,20 +87,30 @@ _FIXES = {
 }
 
 
-def _failed(error: OSError, temporary: str, target: str, caller: str, received: str, then: str) -> OSError:
+def _failed(error: OSError, temporary: str, target: str, caller: str, received: str, then: str, code=None) -> OSError:
     """The error to raise for a failed write: what failed, that nothing was lost, the fix."""
-    code = error.errno
-    if code == errno.EEXIST:  # makedirs: a file where a folder of the path should be
-        code = errno.ENOTDIR
+    code = code or error_code(error)
     # h5py's errors name the temporary: the user knows only the target.
     reason = os.strerror(code) if code else " ".join(str(error).replace(temporary, target).split())[:300]
     message = (
         f"{caller} could not write '{target}' ({reason}). The file that was there before, if any, "
-        f"is kept as it was, and no partial file is left in its place. "
-        f"{_FIXES.get(code, 'Check the disk and the folder.')} {then}".rstrip()
+        f"is kept as it was, and no partial file is left in its place. {fix_for(code)} {then}".rstrip()
     )
     message += f" Received: {received}"
     return OSError(code, message) if code else OSError(message)  # OSError(code, ...) picks its subclass
+
+
+def error_code(error: OSError) -> int | None:
+    """The system's error number, also where h5py gives it only in its text (`errno = 28`)."""
+    if error.errno:
+        return error.errno
+    found = re.search(r"errno = (\d+)", str(error))
+    return int(found.group(1)) if found else None
+
+
+def fix_for(code: int | None) -> str:
+    """What the user can do about a failed write with this error number."""
+    return _FIXES.get(code, "Check the disk and the folder.")
 
 
 def _alive(pid: int) -> bool:
