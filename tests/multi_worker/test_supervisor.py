@@ -1,6 +1,6 @@
 """Supervising workers: woken by the first to end, signals, starting again when a port was taken."""
 
-import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
+from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorFlow starts
 
 import io
 import os
@@ -59,6 +59,7 @@ JOIN = "import kerasmulti; print('joined', kerasmulti._src.cluster.strategy() is
 
 
 @pytest.mark.slow
+@NEEDS_CLUSTER
 def test_a_port_taken_before_its_worker_started_starts_the_workers_again_elsewhere(monkeypatch):
     taken = socket.socket()
     taken.bind(("localhost", 0))  # another process's, between choosing the ports and binding them
