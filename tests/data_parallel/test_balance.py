@@ -201,10 +201,12 @@ def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     assert [d["rows"] for d in devices.values()] == [80, 80, 80]
     assert record["samples"] == len(x)
     speeds = [d["samples_per_second"] for d in devices.values()]
-    # Devices 0 and 1 at full speed, device 2 at half: within 15 %.
-    assert speeds[2] / speeds[0] == pytest.approx(0.5, rel=0.15)
-    assert speeds[1] / speeds[0] == pytest.approx(1.0, rel=0.15)
-    assert record["imbalance"] == pytest.approx(2.0, rel=0.15)
+    # Devices 0 and 1 at full speed, device 2 at half: within 25 % (a machine
+    # busy with two other jobs measured 1.15 between the full-speed two),
+    # still far from telling half speed for full.
+    assert speeds[2] / speeds[0] == pytest.approx(0.5, rel=0.25)
+    assert speeds[1] / speeds[0] == pytest.approx(1.0, rel=0.25)
+    assert record["imbalance"] == pytest.approx(2.0, rel=0.25)
     assert 0 < record["compute_seconds"] <= record["step_seconds"]
     # 16 rows at 2 ms a row is the slowest replica's least: 32 ms a step.
     assert record["compute_seconds"] >= 0.032
