@@ -26,7 +26,9 @@ kerasmulti.simulate_devices(DEVICES)
 
 # Joining a cluster of workers is refused before TensorFlow 2.20 (docs/limitations.md,
 # "Versions"): tests that start real workers need it. Their refusal has a test of its own.
+from kerasmulti._src import keras_private as _keras_private  # noqa: E402  (after the devices)
+
 NEEDS_CLUSTER = pytest.mark.skipif(
-    tuple(int(part) for part in tf.version.VERSION.split(".")[:2]) < (2, 20),
+    _keras_private.tensorflow_version() < _keras_private.CLUSTER_TENSORFLOW,
     reason=f"multi-worker training needs TensorFlow 2.20 or later; this is {tf.version.VERSION}",
 )
