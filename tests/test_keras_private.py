@@ -367,7 +367,10 @@ def test_callback_accessors_read_what_they_say(tmp_path):
         ["latest.weights.h5", "latest.weights.h5.bkp", "training_metadata.json", "training_metadata.json.bkp"]
     )
     model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=2, verbose=0, callbacks=[backup])
-    assert _keras_private.backup_position(backup)[0] == 2  # epochs completed
+    every_other = keras.callbacks.BackupAndRestore(str(tmp_path / "other"), save_freq=2)
+    assert [_keras_private.backup_due(every_other, batch) for batch in (0, 1, 2, 3, 0, 1)] == [
+        False, True, False, True, False, True
+    ]
     assert os.path.exists(paths["weights"]) or not os.path.exists(tmp_path / "backup")  # Keras deletes it at the end
     _keras_private.set_initial_epoch(model, 3)
     history = model.fit(np.zeros((4, 2)), np.zeros((4, 1)), epochs=4, verbose=0)

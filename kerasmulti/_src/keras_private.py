@@ -371,9 +371,9 @@ def set_initial_epoch(model, epoch: int) -> None:
     model._initial_epoch = epoch
 
 
-def backup_position(callback) -> tuple:
-    """`(epoch, last batch seen)` as `BackupAndRestore` counts them."""
-    return callback._current_epoch, callback._last_batch_seen
+def backup_due(callback, batch: int) -> bool:
+    """Whether `BackupAndRestore` backs up after `batch` (an int `save_freq`), counting it as seen."""
+    return callback._should_save_on_batch(batch)
 
 
 # --- TensorFlow runtime ---------------------------------------------------------
@@ -387,7 +387,7 @@ def tensorflow_started() -> bool:
 
 
 __all__ = [
-    "CLUSTER_TENSORFLOW", "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_position", "checkpoint_file_path",
+    "CLUSTER_TENSORFLOW", "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_due", "checkpoint_file_path",
     "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",

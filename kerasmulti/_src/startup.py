@@ -23,6 +23,9 @@ ENV_CONFIG = "TF_CONFIG"
 # process took exits with it, and its launcher starts the cluster again.
 # (Here, with the variables above, so that the launcher needs no TensorFlow.)
 EXIT_PORT_TAKEN = 75
+# TensorFlow's PreemptionCheckpointHandler's "restart me": a job that SIGTERM
+# stopped after backing up its step exits with it (`callbacks/preemption.py`).
+REQUEUE_EXIT_CODE = 42
 _COMMAND_MODULES = ("kerasmulti", "kerasmulti._src.commands.cli")
 
 

@@ -194,3 +194,19 @@ class TestKerasOwnTestsOnParallelBackupAndRestore(keras_tests.BackupAndRestoreCa
         swap = mock.patch.object(keras_tests.callbacks, "BackupAndRestore", kerasmulti.ParallelBackupAndRestore)
         swap.start()
         self.addCleanup(swap.stop)
+
+    def test_best_case_step(self):
+        # Keras' test expects the interrupted epoch run again from its first
+        # batch (17 steps counted); ParallelBackupAndRestore resumes at the
+        # step after the backup, so each of the 3 + 4 * 3 steps counts once.
+        backup_dir = os.path.join(self.get_temp_dir(), "subdir")
+        model = self.make_model()
+        backup = kerasmulti.ParallelBackupAndRestore(backup_dir, save_freq=1)
+        x, y = np.random.random((10, 3)), np.random.random((10, 1))
+        with pytest.raises(RuntimeError, match="StepsInterruption"):
+            stop = keras_tests.InterruptingCallback(steps_int=2, epoch_int=None)
+            model.fit(x, y, batch_size=4, callbacks=[backup, stop], epochs=2, verbose=0)
+        assert int(model.layers[0].counter.value) == 2
+        history = model.fit(x, y, batch_size=4, callbacks=[backup], epochs=5, verbose=0)
+        assert history.epoch == [0, 1, 2, 3, 4]
+        assert int(model.layers[0].counter.value) == 15

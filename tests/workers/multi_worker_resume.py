@@ -1,12 +1,15 @@
 """Checkpointed multi-worker training that a killed worker interrupts and a restart resumes.
 
-`multi_worker_resume.py OUT [--die-at-epoch K] [--reference] [--shuffle]`: trains for 4
+`multi_worker_resume.py OUT [--die-at-epoch K] [--reference] [--shuffle] [--dropout]
+[--strike STEP --victim I --signal TERM|KILL]`: trains for 4
 epochs with ParallelBackupAndRestore (OUT/backup) and ParallelModelCheckpoint
 (OUT/model-<index>.keras: only the chief's may appear), with progress lines
 (only the chief's may appear). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
 the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
 --reference trains the plain template in one process (OUT/final-reference.npz).
---shuffle passes fit's default shuffle=True (otherwise False).
+--shuffle passes fit's default shuffle=True (otherwise False); --dropout adds a
+Dropout layer. With --strike, worker I sends itself the signal as global step STEP
+(from 0) begins, once: OUT/struck marks that it did, so a resumed run goes on.
 """
 
 import json
@@ -25,10 +28,14 @@ out = sys.argv[1]
 reference = "--reference" in sys.argv
 die_at = int(sys.argv[sys.argv.index("--die-at-epoch") + 1]) if "--die-at-epoch" in sys.argv else None
 shuffle = "--shuffle" in sys.argv
+strike = int(sys.argv[sys.argv.index("--strike") + 1]) if "--strike" in sys.argv else None
+victim = int(sys.argv[sys.argv.index("--victim") + 1]) if "--victim" in sys.argv else None
+strike_with = sys.argv[sys.argv.index("--signal") + 1] if "--signal" in sys.argv else "TERM"
 index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 keras.utils.set_random_seed(0)
-template = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+dropout = [keras.layers.Dropout(0.25)] if "--dropout" in sys.argv else []
+template = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), *dropout, keras.layers.Dense(1)])
 target = template if reference else kerasmulti.parallelize(template)
 target.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
 rng = np.random.default_rng(3)
@@ -42,7 +49,19 @@ class Die(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-callbacks = [Die()]
+class Strike(keras.callbacks.Callback):
+    steps = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        marker = os.path.join(out, "struck")
+        if strike == self.steps and index == victim and not os.path.exists(marker):
+            open(marker, "w").close()
+            print(f"SIG{strike_with} at step {self.steps}", flush=True)
+            os.kill(os.getpid(), getattr(signal, f"SIG{strike_with}"))
+        self.steps += 1
+
+
+callbacks = [Die(), Strike()]
 if not reference:
     callbacks = [
         kerasmulti.ParallelBackupAndRestore(os.path.join(out, "backup")),

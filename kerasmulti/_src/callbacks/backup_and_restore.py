@@ -23,6 +23,8 @@ import keras
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
+from kerasmulti._src.callbacks import preemption as _preemption
+from kerasmulti._src.callbacks import training_state as _training_state
 from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
 from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src.utils import fault_points as _fault_points
@@ -89,6 +91,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     ```
     """
 
+    resumes_input_order = True  # `fit` draws shuffled arrays from a seed this backup keeps
+
     def __init__(
         self,
         backup_dir: str | os.PathLike,
@@ -109,12 +113,61 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         paths = keras_private.backup_paths(self)
         if _cluster.is_chief():
             _atomic.remove_stale_temporaries(paths["weights"])
+        self._position, self._resumed, self._metrics = (0, 0), (0, 0), None
         try:
-            epoch = self._restore(paths["weights"], paths["metadata"])
+            fields = self._restore(paths["weights"], paths["metadata"])
         except _Damaged as damaged:
-            epoch = self._restore_previous(damaged)
-        if epoch is not None:
-            keras_private.set_initial_epoch(self.model, epoch)
+            fields = self._restore_previous(damaged)
+        if fields is not None:
+            self._resumed = (fields["epoch"], fields.get("step", 0))
+            keras_private.set_initial_epoch(self.model, fields["epoch"])
+            order = getattr(self.model, "_input_order", None)
+            if order is not None and "order_seed" in fields:
+                order.seed.assign(fields["order_seed"])
+            if self._resumed[1]:
+                _training_state.skip_steps(self.model, self._resumed[1], self._restore_metrics)
+        self._watch = _preemption.Watch(self.model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._position = (epoch, 0)
+
+    def _restore_metrics(self, batch) -> None:
+        # Keras reset the metrics as the epoch began; they go on from the backup's.
+        if self._metrics is not None:
+            try:
+                _training_state.restore_metrics(self.model, self._metrics, batch)
+            except ValueError as error:
+                self._refuse(self._weights_read, str(error))
+
+    def on_train_batch_end(self, batch, logs=None):
+        epoch = self._position[0]
+        self._position = (epoch, batch + 1)
+        due = keras_private.backup_due(self, batch)
+        stop = self._watch.agreed()
+        # Batches a resumed epoch passes over: the weights are already those of a later step.
+        passing_over = (epoch, batch + 1) < self._resumed
+        if (due or stop) and not passing_over:
+            self._save_model()
+        if stop:
+            self._leave(saved=not passing_over)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._position = (epoch + 1, 0)
+        super().on_epoch_end(epoch, logs)  # saves when save_freq="epoch"
+        if self._watch.agreed():
+            if self.save_freq != "epoch":
+                self._save_model()
+            self._leave(saved=True)
+
+    def _leave(self, saved: bool) -> None:
+        epoch, step = self._position if saved else self._resumed
+        where = f"epoch {epoch + 1}, step {step}" if step else f"the start of epoch {epoch + 1}"
+        _preemption.leave(
+            self.model,
+            _cluster.is_chief()
+            and f"kerasmulti: SIGTERM received; the backup in '{self.backup_dir}' resumes at {where}. Exiting with "
+            f"code {_preemption.REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.",
+        )
 
     def _restore_previous(self, damaged: _Damaged):
         """Resumes from the `.bkp` files, as Keras does, and says so."""
@@ -151,10 +204,10 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         return epoch
 
     def _restore(self, weights: str, metadata: str):
-        """Loads `weights` and returns the epoch to resume at (None: no backup)."""
+        """Loads `weights` and returns the backup's metadata (None: no backup)."""
         if not os.path.exists(weights):
             return None
-        epoch = _read_epoch(weights, metadata)
+        fields = _read_metadata(weights, metadata)
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)  # its variables must exist to be loaded
@@ -166,18 +219,31 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                     copy = os.path.join(folder, "previous.weights.h5")
                     shutil.copyfile(weights, copy)
                     self.model.load_weights(copy)
+            state = _training_state.read(weights)
         except OSError as error:
             raise _Damaged(weights, error) from error
         except ValueError as error:
             # Keras' message ends with a dump of the variable's values.
-            reason = " ".join(str(error).split("Target variable:")[0].split())[:400]
-            raise ValueError(
-                f"ParallelBackupAndRestore cannot resume from '{weights}': the backup does not fit the "
-                f"model being trained, which changed since it was written ({reason}). Build the model as "
-                f"it was to resume, or, to start over with the new one, delete '{self.backup_dir}' or pass "
-                f"another backup_dir. The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
-            ) from None
-        return epoch
+            self._refuse(weights, " ".join(str(error).split("Target variable:")[0].split())[:400])
+        self._weights_read = weights
+        if state is not None:
+            self._fit_state(_training_state.seed_states(self.model), state["seeds"], "seed states", weights)
+            self._metrics = state["metrics"] if fields.get("step") else None
+        return fields
+
+    def _fit_state(self, variables, values, what: str, weights: str) -> None:
+        try:
+            _training_state.assign(variables, values, what)
+        except ValueError as error:
+            self._refuse(weights, str(error))
+
+    def _refuse(self, weights: str, reason: str):
+        raise ValueError(
+            f"ParallelBackupAndRestore cannot resume from '{weights}': the backup does not fit the "
+            f"model being trained, which changed since it was written ({reason}). Build the model as "
+            f"it was to resume, or, to start over with the new one, delete '{self.backup_dir}' or pass "
+            f"another backup_dir. The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
+        ) from None
 
     def _save_model(self):
         # Keras writes the weights, then the epoch in a JSON file: a kill in
@@ -191,11 +257,18 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             for source, target in pairs:
                 if os.path.exists(source):
                     self._write(target, lambda tmp, source=source: shutil.copyfile(source, tmp))
-        epoch, batch = keras_private.backup_position(self)
-        metadata = json.dumps({"epoch": epoch, "batch": batch})
+        epoch, step = self._position
+        # "batch" is Keras' (the last batch trained, 0 at an epoch's end; it
+        # resumes at the epoch's start); "step" is the batches done in it.
+        fields = {"epoch": epoch, "batch": max(step - 1, 0), "step": step}
+        order = getattr(self.model, "_input_order", None)
+        if order is not None:
+            fields["order_seed"] = int(order.seed.numpy())
+        metadata = json.dumps(fields)
 
         def save(tmp):
             self.model.save_weights(tmp)
+            _training_state.write(self.model, tmp)
             with h5py.File(tmp, "a") as f:
                 f.attrs[_METADATA] = metadata
 
@@ -211,12 +284,13 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         _atomic.write(target, save, "ParallelBackupAndRestore", f"backup_dir={self.backup_dir!r}", then)
 
     def on_train_end(self, logs=None):
+        self._watch.stop()
         if _cluster.is_chief():
             super().on_train_end(logs)
 
 
-def _read_epoch(weights: str, metadata: str) -> int:
-    """The epoch a backup resumes at: from inside the weights file, else Keras' JSON file."""
+def _read_metadata(weights: str, metadata: str) -> dict:
+    """Where a backup resumes (`epoch`, `step`, ...): from inside the weights file, else Keras' JSON file."""
     try:
         with h5py.File(weights, "r") as f:
             text, source = f.attrs.get(_METADATA), weights
@@ -226,12 +300,17 @@ def _read_epoch(weights: str, metadata: str) -> int:
         if text is None:  # a backup Keras wrote
             text, source = _read_text(metadata), metadata
         fields = json.loads(text)
-        epoch = fields.get("epoch") if isinstance(fields, dict) else None
-        if not isinstance(epoch, int) or isinstance(epoch, bool):
+        if not isinstance(fields, dict) or "epoch" not in fields or not all(
+            _count(fields.get(k, 0)) for k in ("epoch", "step")
+        ):
             raise ValueError(f"it holds no epoch number: {str(text)[:80]!r}")
     except (OSError, ValueError) as error:
         raise _Damaged(source, error) from error
-    return epoch
+    return fields
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _read_text(path: str) -> str:

@@ -23,6 +23,7 @@ import inspect
 import keras
 import tensorflow as tf
 
+from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
 
@@ -52,8 +53,12 @@ def pipeline(x, y=None, sample_weight=None, batch_size=None, shuffle=False, clas
     return dataset.with_options(options)
 
 
-def fit_arguments(arguments: dict) -> dict:
-    """`fit`'s keyword arguments, with arrays (and validation arrays) as pipelines."""
+def fit_arguments(arguments: dict, seed: int | None = None) -> dict:
+    """`fit`'s keyword arguments, with arrays (and validation arrays) as pipelines.
+
+    With `seed`, shuffled arrays come in an order drawn from it and the
+    epoch's number (`epoch_order`), which a backup can resume exactly.
+    """
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
     if arguments["steps_per_epoch"] is not None or not _arrays(x, y, sample_weight):
         return arguments
@@ -65,8 +70,14 @@ def fit_arguments(arguments: dict) -> dict:
             (x, y, sample_weight), validation_split=split
         )
     batch_size = arguments["batch_size"]
+    if seed is not None and arguments["shuffle"] is True and _split_rows(x):
+        order = _epoch_order.EpochOrder(seed)
+        data = _epoch_order.shuffled(x, y, sample_weight, batch_size, arguments["class_weight"], order)
+        arguments["callbacks"] = _epoch_order.with_callback(arguments["callbacks"], order)
+    else:
+        data = pipeline(x, y, sample_weight, batch_size, arguments["shuffle"], arguments["class_weight"])
     arguments.update(
-        x=pipeline(x, y, sample_weight, batch_size, arguments["shuffle"], arguments["class_weight"]),
+        x=data,
         y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False, validation_split=0.0,
     )
     if validation_data is not None and arguments["validation_steps"] is None:
@@ -76,6 +87,10 @@ def fit_arguments(arguments: dict) -> dict:
             arguments["validation_batch_size"] = None
     arguments["validation_data"] = validation_data
     return arguments
+
+
+def _split_rows(x) -> int:
+    return int(next(iter(keras.tree.flatten(x))).shape[0])
 
 
 def evaluate_arguments(arguments: dict) -> dict:

@@ -19,6 +19,7 @@ BatchNormalization is synchronised, see `sync_batchnorm.py`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import keras
@@ -28,6 +29,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
+from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
@@ -72,6 +74,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         # The template's own steps, where it has some (`custom_steps.py`).
         self._custom = _custom_steps.CustomSteps(self) if self._runs_custom_steps() else None
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict on arrays
+        self._fit_calls, self._input_order = 0, None  # `epoch_order`: shuffled arrays a backup resumes
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -139,7 +142,9 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         _monitor.attach(self, arguments.get("callbacks"))
-        return super().fit(**self._fed(_feeding.fit_arguments, arguments))
+        self._fit_calls += 1
+        seed = _epoch_order.seed_for(arguments.get("callbacks"), self._fit_calls)
+        return super().fit(**self._fed(functools.partial(_feeding.fit_arguments, seed=seed), arguments))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""

@@ -34,7 +34,7 @@ from kerasmulti._src.multi_worker.tf_config import (
     physical_gpus,
     worker_environment,
 )
-from kerasmulti._src.startup import EXIT_PORT_TAKEN
+from kerasmulti._src.startup import EXIT_PORT_TAKEN, REQUEUE_EXIT_CODE
 
 PORT_ATTEMPTS = 3
 
@@ -62,10 +62,7 @@ def run_workers(
     if failed is None:
         return 0
     code = exit_code(processes[failed].returncode)
-    out.write(
-        f"kerasmulti launch: worker {failed} failed with exit code {code}; stopped the others. "
-        f"{RESUME_HINT}\n"
-    )
+    out.write(f"kerasmulti launch: {_failure(processes, failed)}; stopped the others. {RESUME_HINT}\n")
     return code
 
 
@@ -93,15 +90,22 @@ def run_cluster(start: Callable, workers: int, out, max_restarts: int = 0, final
 
 def _say_restart(out, processes, failed: int, workers: int, restart: int, max_restarts: int) -> None:
     out.write(
-        f"kerasmulti launch: worker {failed} failed with exit code {exit_code(processes[failed].returncode)}"
-        f"{_cause(processes[failed].returncode)}; stopped the others. Starting all {workers} workers "
-        f"again (restart {restart + 1} of {max_restarts}): they resume from their last backup.\n"
+        f"kerasmulti launch: {_failure(processes, failed)}; stopped the others. Starting all {workers} "
+        f"workers again (restart {restart + 1} of {max_restarts}): they resume from their last backup.\n"
     )
     out.flush()
 
 
-def _cause(returncode: int) -> str:
-    return f" (killed by {_signal_name(-returncode)})" if returncode < 0 else ""
+def _failure(processes, failed: int) -> str:
+    """What ended worker `failed`, as the launcher says it."""
+    returncode = processes[failed].returncode
+    if returncode == REQUEUE_EXIT_CODE:
+        return (
+            f"worker {failed} was stopped by SIGTERM after backing up the step it reached (exit code "
+            f"{REQUEUE_EXIT_CODE}, requeue)"
+        )
+    cause = f" (killed by {_signal_name(-returncode)})" if returncode < 0 else ""
+    return f"worker {failed} failed with exit code {exit_code(returncode)}{cause}"
 
 
 def _run_on_free_ports(start: Callable, workers: int, out) -> tuple[list, int | None]:
@@ -158,11 +162,25 @@ def run_one(command: list[str], env: dict) -> int:
 
 
 def supervise(processes, pumps) -> int | None:
-    """Waits for all processes; on the first failure stops the rest. Returns its index or None."""
+    """Waits for all processes; on the first failure stops the rest. Returns its index or None.
+
+    When this process is stopped (SIGTERM) its workers get SIGTERM; if all of
+    them then back up their step and exit with `REQUEUE_EXIT_CODE`, so does
+    this process.
+    """
     failed = None
     try:
         with _stopped_with_this_process():
             failed = _first_failure(processes)
+    except SystemExit:
+        _stop(processes)
+        if all(p.returncode == REQUEUE_EXIT_CODE for p in processes):
+            sys.stderr.write(
+                f"kerasmulti launch: SIGTERM received; every worker backed up the step it reached. Exiting with "
+                f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
+            )
+            raise SystemExit(REQUEUE_EXIT_CODE) from None
+        raise
     finally:
         _stop(processes)
         for pump in pumps:
@@ -215,6 +233,11 @@ def _closed_at_exit(process) -> int:
     return read
 
 
+# How long stopped workers get after SIGTERM before SIGKILL: a worker
+# training with ParallelBackupAndRestore ends its step and backs it up.
+STOP_GRACE_SECONDS = 30
+
+
 def _stop(processes) -> None:
     for p in processes:
         if p.poll() is None:
@@ -222,7 +245,7 @@ def _stop(processes) -> None:
     try:
         for p in processes:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=STOP_GRACE_SECONDS)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()

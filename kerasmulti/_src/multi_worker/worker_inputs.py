@@ -16,16 +16,14 @@ process's own random state; here it comes from a seed the chief chooses:
 
 from __future__ import annotations
 
-import hashlib
-import random
-
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import cluster as _cluster
-from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel import epoch_order as _epoch_order
+from kerasmulti._src.data_parallel.epoch_order import shuffle_seed  # noqa: F401 (the chief's seed)
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
 
@@ -55,41 +53,16 @@ def _shuffled(kwargs, seed):
     """`fit`'s arrays as a dataset whose order is drawn from `seed` and the epoch's number."""
     # Keras shuffles arrays with an unseeded op: each worker would draw
     # its own order and keep its part of it, seeing some samples twice
-    # and others never. Here every epoch's order is a function of the
-    # chief's seed and the epoch's number: the same on every worker, a
-    # new one each epoch, and the same again in a run resumed at that
-    # epoch (a reshuffling dataset would start over from its first order).
+    # and others never (`epoch_order`).
     arrays = (kwargs.pop("x"), kwargs.pop("y"), kwargs.pop("sample_weight", None))
-    batch_size = kwargs.pop("batch_size")
     split = kwargs.pop("validation_split", 0.0)
     if split and kwargs.get("validation_data") is None:
         arrays, validation = array_slicing.train_validation_split(arrays, split)
         kwargs["validation_data"] = validation
-    rows = _split.batch_size(arrays[0])
-    # Lists are one tensor to tf.data, several inputs to Keras.
-    data = tree.lists_to_tuples(keras.utils.pack_x_y_sample_weight(*arrays))
-    epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
-
-    def order(_):
-        return tf.random.experimental.stateless_shuffle(
-            tf.range(rows, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
-        )
-
-    rows_in_order = tf.data.Dataset.range(1).map(order).flat_map(tf.data.Dataset.from_tensor_slices)
-    # flat_map hides the length, and Keras would warn at the first epoch's
-    # end that the input "ran out of data".
-    rows_in_order = rows_in_order.apply(tf.data.experimental.assert_cardinality(rows))
-    tensors = tree.map_structure(tf.convert_to_tensor, data)
-    dataset = rows_in_order.batch(batch_size or 32).map(
-        lambda rows: tree.map_structure(lambda t: tf.gather(t, rows), tensors)
-    ).prefetch(2)
-    options = tf.data.Options()
-    options.autotune.enabled = False  # no teardown stall (see `batched` in inference/sources.py)
-    # The epoch is read when each epoch's order is drawn.
-    options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
-    kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _EpochOrder(epoch)]
-    kwargs["shuffle"] = False
-    kwargs.update(x=dataset.with_options(options), y=None, batch_size=None)
+    order = _epoch_order.EpochOrder(seed)
+    dataset = _epoch_order.shuffled(*arrays, kwargs.pop("batch_size"), kwargs.pop("class_weight", None), order)
+    kwargs["callbacks"] = _epoch_order.with_callback(kwargs.get("callbacks"), order)
+    kwargs.update(x=dataset, y=None, batch_size=None, shuffle=False)
     return kwargs
 
 
@@ -141,18 +114,6 @@ def _batches(dataset) -> int:
     return count
 
 
-def shuffle_seed() -> int:
-    """The seed the chief proposes for shuffling arrays.
-
-    Reproducible when the program seeded Python's `random` (as
-    `keras.utils.set_random_seed` does), else random; read from the state
-    without drawing from it, so the user's random streams stay as in one
-    process.
-    """
-    digest = hashlib.sha256(repr(random.getstate()).encode()).digest()
-    return int.from_bytes(digest[:4], "little") % (2**31 - 1)
-
-
 def worker_input(data):
     """An input every worker reads whole, keeping its part of each batch.
 
@@ -171,17 +132,6 @@ def worker_input(data):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return data.with_options(options)
-
-
-class _EpochOrder(keras.callbacks.Callback):
-    """Sets the epoch that an input's order is drawn for, as each epoch begins."""
-
-    def __init__(self, epoch: tf.Variable):
-        super().__init__()
-        self._epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch.assign(epoch)
 
 
 class WorkerBatches(keras.utils.PyDataset):

@@ -165,6 +165,13 @@ class WorkerModel(ParallelModel):
             _barrier_step(self._strategy)
         return result
 
+    def _any_worker(self, flag: bool) -> bool:
+        """Whether `flag` is set on any worker (a collective: every worker calls it alike)."""
+        return bool(_worker_inputs.gather_step(self._strategy, tf.constant(int(flag), tf.int64)).numpy().any())
+
+    def _wait_for_all(self) -> None:
+        _barrier_step(self._strategy)
+
     def call(self, inputs, training=None):
         return self._template(inputs, training=training)
 

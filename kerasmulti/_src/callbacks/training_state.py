@@ -1,0 +1,113 @@
+"""What a backup holds besides the weights, so that a resumed run is the uninterrupted one.
+
+Keras' `save_weights` writes the weights and the optimizer. A run resumed
+from them still differs from the run it continues in three ways, and the
+backup carries each:
+
+- Seeded layers (Dropout, noise) draw from `SeedGenerator` states, which
+  `save_weights` leaves out: the resumed run would draw the first epoch's
+  masks again. Their states travel in the backup file.
+- Shuffled arrays: the order of each epoch is drawn from a seed
+  (`data_parallel/epoch_order.py`), written to the backup's metadata.
+- A backup written in the middle of an epoch: the resumed run starts that
+  epoch again, passes over the batches already trained (read, not trained:
+  `skip_steps`), and the epoch's metrics go on from their saved values, so
+  the epoch's logs are those of the whole epoch.
+
+All of it is written into the weights file (group `kerasmulti_state`), which
+is replaced atomically, so the weights and the state never disagree.
+"""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import tensorflow as tf
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.parallel_model import unwrap
+
+_GROUP = "kerasmulti_state"
+
+
+def seed_states(model) -> list:
+    """The state variables of every `SeedGenerator` in the model, in a fixed order."""
+    states, seen = [], set()
+    for layer in keras_private.flatten_layers(unwrap(model)):
+        for generator in keras_private.seed_generators(layer):
+            if id(generator.state) not in seen:
+                seen.add(id(generator.state))
+                states.append(generator.state)
+    return states
+
+
+def write(model, path: str) -> None:
+    """Adds the seed states and the metrics' values to the weights file at `path`."""
+    metrics = model.metrics_variables
+    if any(isinstance(getattr(v, "value", v), tf.distribute.DistributedValues) for v in metrics):
+        # Across workers each worker holds its own part of a metric, and
+        # reading the whole is a collective the chief cannot run alone: a
+        # resumed epoch's logs there cover the batches after the resume.
+        metrics = []
+    with h5py.File(path, "a") as f:
+        group = f.create_group(_GROUP)
+        for name, variables in (("seeds", seed_states(model)), ("metrics", metrics)):
+            part = group.create_group(name)
+            for i, variable in enumerate(variables):
+                part.create_dataset(str(i), data=np.asarray(variable))
+
+
+def read(path: str) -> dict | None:
+    """`{"seeds": [...], "metrics": [...]}` from a weights file; None where it holds none (Keras wrote it)."""
+    with h5py.File(path, "r") as f:
+        if _GROUP not in f:
+            return None
+        group = f[_GROUP]
+        return {name: [group[name][str(i)][()] for i in range(len(group[name]))] for name in ("seeds", "metrics")}
+
+
+def assign(variables: list, values: list, what: str) -> None:
+    """Sets `variables` to `values`; raises ValueError when the model's no longer match them."""
+    shapes = [tuple(v.shape) for v in variables]
+    if shapes != [np.shape(value) for value in values]:
+        raise ValueError(f"its {what} do not match the model's ({len(values)} saved, {len(variables)} now)")
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def restore_metrics(model, values: list, batch) -> None:
+    """Sets the metrics to a backup's `values`, building them first from `batch` where no step has yet."""
+    if not values:  # none saved (across workers)
+        return
+    if len(model.metrics_variables) != len(values):
+        # Keras builds the compiled metrics as the first step traces.
+        keras_private.symbolic_build(model, batch)
+    assign(model.metrics_variables, values, "metrics")
+
+
+def skip_steps(model, steps: int, first_batch) -> None:
+    """Makes the next `steps` training steps read their batches without training on them.
+
+    Keras' `fit` starts an epoch at its first batch; a run resumed in the
+    middle of it passes over the batches already trained, each read from the
+    input (so the epoch's order goes on where it stopped) and logged with the
+    metrics as the backup saved them. `first_batch(batch)` is called with
+    the first batch read.
+    """
+    original, per_call = model.train_function, getattr(model, "steps_per_execution", 1) or 1
+    remaining = [steps]
+
+    def skipping(iterator):
+        if remaining[0] <= 0:
+            model.train_function = original
+            return original(iterator)
+        for i in range(min(per_call, remaining[0])):
+            batch = next(iterator)
+            if i == 0 and remaining[0] == steps:
+                first_batch(batch)
+        remaining[0] -= per_call
+        if remaining[0] <= 0:
+            model.train_function = original
+        return model.get_metrics_result()
+
+    model.train_function = skipping

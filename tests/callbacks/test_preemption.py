@@ -1,0 +1,133 @@
+"""SIGTERM in the middle of an epoch: a backup of that step, exit 42, and a re-run that loses no step.
+
+Each run is a process of its own (tests/workers/preempted_fit.py: Dropout,
+fit's default shuffle=True, 2 simulated devices), compared with one run
+that nothing interrupted. The multi-worker cases are in
+tests/multi_worker/test_preemption_workers.py.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers", "preempted_fit.py")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+ENV.pop("KERASMULTI_SIMULATE_DEVICES", None)
+STEPS = 18  # 3 epochs of 6 batches
+REQUEUE = 42
+
+
+def _run(folder, *args):
+    return subprocess.run(
+        [sys.executable, WORKER, str(folder), *args], capture_output=True, text=True, env=ENV, timeout=300
+    )
+
+
+def _ran(folder, *args):
+    result = _run(folder, *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def _final(folder):
+    with np.load(os.path.join(folder, "final.npz")) as weights:
+        return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def _logs(folder):
+    return [json.load(open(os.path.join(folder, f"epoch-{e}.json"))) for e in range(3)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    _ran(folder)
+    return _final(folder), _logs(folder)
+
+
+def _strike_step(rng) -> int:
+    step = int(rng.integers(1, STEPS - 1))
+    print(f"SIGTERM as step {step} begins")
+    return step
+
+
+def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):
+    step = _strike_step(np.random.default_rng())
+    stopped = _run(tmp_path, "--strike", str(step))
+    assert stopped.returncode == REQUEUE, stopped.stderr[-3000:]
+    epoch, done = divmod(step + 1, 6)  # the step in flight ends and is backed up
+    where = f"epoch {epoch + 1}, step {done}" if done else f"the start of epoch {epoch + 1}"
+    assert f"kerasmulti: SIGTERM received; the backup in '{tmp_path / 'backup'}' resumes at {where}. " in stopped.stderr
+    assert "Exiting with code 42 (requeue): run the same command to go on from there." in stopped.stderr
+    assert not os.path.exists(tmp_path / "final.npz")
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        assert {k: v for k, v in json.load(f).items() if k != "order_seed"} == {
+            "epoch": epoch, "batch": max(done - 1, 0), "step": done
+        }
+    # Another seed for Python's `random`: only the backup knows the epochs' order.
+    _ran(tmp_path, "--reseed")
+    weights, logs = uninterrupted
+    for got, expected in zip(_final(tmp_path), weights):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+    assert _logs(tmp_path) == logs  # also the resumed epoch's: its metrics went on from the backup's
+    assert not os.path.exists(tmp_path / "backup")  # done: deleted, as Keras does
+
+
+def test_a_periodic_backup_killed_mid_epoch_resumes_at_its_step(tmp_path, uninterrupted):
+    # save_freq=4 and SIGKILL (no chance to save): the re-run resumes at the
+    # last backup, in the middle of an epoch, and repeats only what came after it.
+    _run(tmp_path, "--strike", "10", "--signal", "KILL", "--save-freq", "4")
+    with open(tmp_path / "backup" / "training_metadata.json") as f:
+        assert json.load(f)["step"] == 2  # after global step 8: epoch 1, 2 batches done
+    _ran(tmp_path, "--save-freq", "4", "--reseed")
+    for got, expected in zip(_final(tmp_path), uninterrupted[0]):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
+def test_control_keras_backup_and_restore_loses_the_interrupted_epoch(tmp_path, uninterrupted):
+    # Keras' own callback: SIGTERM ends the process, and the re-run starts the
+    # epoch over with other Dropout masks and another order.
+    stopped = _run(tmp_path, "--strike", "8", "--keras-backup")
+    assert stopped.returncode == -signal.SIGTERM
+    _ran(tmp_path, "--keras-backup", "--reseed")
+    assert any(not np.allclose(got, expected, rtol=1e-6, atol=0) for got, expected in zip(_final(tmp_path), uninterrupted[0]))
+
+
+SIGTERM_AFTER_FIT = """
+import os, signal, sys
+import kerasmulti
+kerasmulti.simulate_devices(2)
+import keras, numpy as np
+
+class Fail(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if sys.argv[2] == "raises":
+            raise RuntimeError("stop")
+
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+parallel = kerasmulti.parallelize(model, gpus=2)
+parallel.compile(optimizer="sgd", loss="mse")
+backup = kerasmulti.ParallelBackupAndRestore(sys.argv[1])
+try:
+    parallel.fit(np.ones((8, 3)), np.ones((8, 1)), epochs=2, callbacks=[backup, Fail()], verbose=0)
+except RuntimeError:
+    pass
+print("after fit", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fit", ["returns", "raises"])
+def test_after_fit_sigterm_ends_the_process_as_without_kerasmulti(tmp_path, fit):
+    result = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AFTER_FIT, str(tmp_path / "backup"), fit],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )
+    assert result.returncode == -signal.SIGTERM, result.stderr[-3000:]
+    assert "after fit" in result.stdout and "still running" not in result.stdout
