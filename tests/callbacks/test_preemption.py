@@ -60,14 +60,14 @@ def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterr
     step = _strike_step(np.random.default_rng())
     stopped = _run(tmp_path, "--strike", str(step))
     assert stopped.returncode == REQUEUE, stopped.stderr[-3000:]
-    epoch, done = divmod(step + 1, 6)  # the step in flight ends and is backed up
-    where = f"epoch {epoch + 1}, step {done}" if done else f"the start of epoch {epoch + 1}"
-    assert f"kerasmulti: SIGTERM received; the backup in '{tmp_path / 'backup'}' resumes at {where}. " in stopped.stderr
+    epoch, done = step // 6, step % 6 + 1  # the step in flight ends and is backed up
+    where = f"after step {done} of epoch {epoch + 1}"
+    assert f"kerasmulti: SIGTERM received; the backup in '{tmp_path / 'backup'}' resumes {where}. " in stopped.stderr
     assert "Exiting with code 42 (requeue): run the same command to go on from there." in stopped.stderr
     assert not os.path.exists(tmp_path / "final.npz")
     with open(tmp_path / "backup" / "training_metadata.json") as f:
         assert {k: v for k, v in json.load(f).items() if k != "order_seed"} == {
-            "epoch": epoch, "batch": max(done - 1, 0), "step": done
+            "epoch": epoch, "batch": done - 1, "step": done
         }
     # Another seed for Python's `random`: only the backup knows the epochs' order.
     _ran(tmp_path, "--reseed")

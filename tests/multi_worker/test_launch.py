@@ -70,7 +70,7 @@ def test_a_cluster_that_keeps_failing_is_restarted_max_restarts_times_then_fails
 def test_a_worker_killed_by_a_signal_exits_as_a_shell_would():
     result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "kill-1", "hang-0")
     assert result.returncode == 128 + 9
-    assert "worker 1 failed with exit code 137; stopped the others" in result.stdout
+    assert "worker 1 failed with exit code 137 (killed by SIGKILL); stopped the others" in result.stdout
     assert "run the same command to resume from its last backup" in result.stdout
 
 

@@ -218,19 +218,81 @@ def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_pa
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def test_with_max_restarts_a_killed_worker_restarts_the_job_which_ends_with_one_process_weights(tmp_path, resume_reference):
-    # Worker 1 kills itself (SIGKILL) at the end of epoch 1, after the backup;
-    # the restarted job resumes at epoch 2 and finishes.
-    result = _launch_workers("multi_worker_resume.py", str(tmp_path), "--die-at-epoch", "1", launcher=("--max-restarts", "1"))
+@pytest.fixture(scope="module")
+def uninterrupted_workers(tmp_path_factory):
+    """The weights 2 workers end with, shuffling, with Dropout, uninterrupted (Dropout differs from one process's)."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _launch_workers("multi_worker_resume.py", str(out), *STRUCK_RUN)
+    return np.load(out / "final-0.npz")
+
+
+STRUCK_RUN = ("--shuffle", "--dropout")  # 4 epochs of 4 steps
+
+
+def _assert_weights_equal(folder, expected):
+    for index in range(2):
+        with np.load(folder / f"final-{index}.npz") as got:
+            for key in expected.files:
+                np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=0, err_msg=key)
+
+
+def _strike(rng):
+    victim, step = int(rng.integers(0, 2)), int(rng.integers(1, 15))
+    print(f"worker {victim} gets the signal as step {step} begins")
+    return ("--victim", str(victim), "--strike", str(step)), victim, step
+
+
+def test_with_max_restarts_a_worker_killed_mid_epoch_restarts_the_job_which_ends_as_the_uninterrupted_one(
+    tmp_path, uninterrupted_workers
+):
+    # SIGKILL leaves no chance to save: the restarted job resumes at the last
+    # epoch's backup, drawing that epoch's order and Dropout masks again.
+    strike, victim, _ = _strike(np.random.default_rng())
+    result = _launch_workers(
+        "multi_worker_resume.py", str(tmp_path), *STRUCK_RUN, *strike, "--signal", "KILL", launcher=("--max-restarts", "1")
+    )
     assert (
-        "kerasmulti launch: worker 1 failed with exit code 137 (killed by SIGKILL); stopped the others. "
+        f"kerasmulti launch: worker {victim} failed with exit code 137 (killed by SIGKILL); stopped the others. "
         "Starting all 2 workers again (restart 1 of 1): they resume from their last backup."
     ) in result.stdout
-    assert result.stdout.count("[worker 0] epoch 0 done") == 1  # resumed, not started over
-    assert "[worker 0] epoch 3 done" in result.stdout
-    expected, got = resume_reference, np.load(tmp_path / "final-0.npz")
-    for key in expected.files:
-        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    _assert_weights_equal(tmp_path, uninterrupted_workers)
+
+
+def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_the_rerun_ends_as_the_uninterrupted_one(
+    tmp_path, uninterrupted_workers
+):
+    strike, victim, step = _strike(np.random.default_rng())
+    command = [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "multi_worker_resume.py")]
+    stopped = subprocess.run(
+        [*command, str(tmp_path), *STRUCK_RUN, *strike], capture_output=True, text=True, env=ENV, timeout=300
+    )
+    assert stopped.returncode == 42, stopped.stdout[-4000:]
+    assert "kerasmulti launch: SIGTERM stopped the workers after they backed up the step they reached (worker " in stopped.stdout
+    assert f"[worker {victim}] SIGTERM at step {step}" in stopped.stdout
+    # Every worker ends the step in flight, the signalled one's, and backs it up.
+    where = f"after step {step % 4 + 1} of epoch {step // 4 + 1}"
+    assert f"[worker 0] kerasmulti: SIGTERM received; the backup in '{tmp_path / 'backup'}' resumes {where}." in stopped.stdout
+    _launch_workers("multi_worker_resume.py", str(tmp_path), *STRUCK_RUN)
+    _assert_weights_equal(tmp_path, uninterrupted_workers)
+
+
+def test_sigterm_to_the_launcher_leaves_every_worker_backed_up_and_exits_42(tmp_path, uninterrupted_workers):
+    command = [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "multi_worker_resume.py")]
+    launcher = subprocess.Popen(
+        [*command, str(tmp_path), *STRUCK_RUN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        for line in launcher.stdout:
+            if "[worker 0] epoch 0 done" in line:
+                launcher.send_signal(signal.SIGTERM)
+                break
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 42, out[-3000:] + err[-3000:]
+    assert "kerasmulti launch: SIGTERM received; every worker backed up the step it reached. Exiting with code 42" in err
+    _launch_workers("multi_worker_resume.py", str(tmp_path), *STRUCK_RUN)
+    _assert_weights_equal(tmp_path, uninterrupted_workers)
 
 
 def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(tmp_path):

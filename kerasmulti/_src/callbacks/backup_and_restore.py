@@ -2,12 +2,21 @@
 
 `ParallelBackupAndRestore` writes the files `keras.callbacks.BackupAndRestore`
 writes, in the same folder layout, so either callback resumes from the
-other's folder. Two things differ. Each file is replaced atomically (a
-temporary renamed into place), and the epoch also travels inside the weights
-file: Keras writes the weights, then the epoch in a JSON file, so a kill in
-between pairs new weights with an old epoch. And a damaged backup falls back
-to the previous one (`double_checkpoint=True`) with a warning, or stops with
-an error that names the file, where Keras would raise h5py's or json's.
+other's folder. What differs:
+
+- Each file is replaced atomically (a temporary renamed into place), and
+  the position (epoch and step) also travels inside the weights file: Keras
+  writes the weights, then the epoch in a JSON file, so a kill in between
+  pairs new weights with an old epoch.
+- A resumed run is the uninterrupted one, step for step: the backup also
+  holds the seed states, the shuffled order's seed and the metrics
+  (`training_state.py`), and a run resumed in the middle of an epoch passes
+  over the batches already trained instead of starting the epoch over.
+- SIGTERM backs up the step in flight and exits 42, "requeue"
+  (`preemption.py`).
+- A damaged backup falls back to the previous one (`double_checkpoint=True`)
+  with a warning, or stops with an error that names the file, where Keras
+  would raise h5py's or json's.
 """
 
 from __future__ import annotations
@@ -44,14 +53,21 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     """`BackupAndRestore` that resumes a parallel model exactly, and survives a kill.
 
     It backs up the whole training state of a parallel model (the template's
-    weights and the optimizer), writes it to a temporary file renamed into
-    place, with the epoch stored inside that file (Keras writes the weights in
-    place and the epoch in a separate JSON file, so a kill in between can
-    tear the backup or pair new weights with an old epoch), and restores it
-    when the same training command runs again: epoch, weights and optimizer
-    state continue where the interrupted run stopped. Arguments are those of
-    `keras.callbacks.BackupAndRestore`, and the folder holds the same files,
-    so either callback resumes from the other's backup.
+    weights and the optimizer, the states of Dropout and other seeded
+    layers, the seed of `fit`'s shuffled order, the metrics, and the epoch
+    and step), writes it to a temporary file renamed into place (Keras writes
+    the weights in place and the epoch in a separate JSON file, so a kill in
+    between can tear the backup or pair new weights with an old epoch), and
+    restores it when the same training command runs again: the resumed run
+    ends with the weights the uninterrupted one would have, with `fit`'s
+    defaults (`shuffle=True`), also from a backup written in the middle of an
+    epoch, whose batches already trained are passed over. Arguments are those
+    of `keras.callbacks.BackupAndRestore`, and the folder holds the same
+    files, so either callback resumes from the other's backup.
+
+    SIGTERM while `fit` runs (a preempted machine) ends the step in flight,
+    backs it up and exits with code 42 ("requeue"); across workers all stop
+    after the same step. Running the same command resumes after that step.
 
     A damaged backup (a torn weights file, or for a backup Keras wrote, a
     torn epoch file) falls back to the previous one if `double_checkpoint`
@@ -64,9 +80,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Args:
         backup_dir: Folder for the backup; deleted when training finishes.
-        save_freq: `"epoch"`, or an int: back up every that many batches.
-            With an int, a resumed run starts the interrupted epoch over (as
-            Keras does), so only `"epoch"` resumes exactly.
+        save_freq: `"epoch"`, or an int: back up every that many batches
+            too. A run resumed from such a backup goes on from its step (Keras
+            starts the interrupted epoch over).
         double_checkpoint: Also keep the previous backup (the `.bkp` files),
             to fall back to if the latest is damaged.
         delete_checkpoint: Delete the backup when training finishes.
@@ -161,11 +177,11 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _leave(self, saved: bool) -> None:
         epoch, step = self._position if saved else self._resumed
-        where = f"epoch {epoch + 1}, step {step}" if step else f"the start of epoch {epoch + 1}"
+        where = f"after step {step} of epoch {epoch + 1}" if step else f"at the start of epoch {epoch + 1}"
         _preemption.leave(
             self.model,
             _cluster.is_chief()
-            and f"kerasmulti: SIGTERM received; the backup in '{self.backup_dir}' resumes at {where}. Exiting with "
+            and f"kerasmulti: SIGTERM received; the backup in '{self.backup_dir}' resumes {where}. Exiting with "
             f"code {_preemption.REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.",
         )
 

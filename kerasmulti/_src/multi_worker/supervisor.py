@@ -101,8 +101,8 @@ def _failure(processes, failed: int) -> str:
     returncode = processes[failed].returncode
     if returncode == REQUEUE_EXIT_CODE:
         return (
-            f"worker {failed} was stopped by SIGTERM after backing up the step it reached (exit code "
-            f"{REQUEUE_EXIT_CODE}, requeue)"
+            f"SIGTERM stopped the workers after they backed up the step they reached (worker {failed} exited "
+            f"with code {REQUEUE_EXIT_CODE}, requeue)"
         )
     cause = f" (killed by {_signal_name(-returncode)})" if returncode < 0 else ""
     return f"worker {failed} failed with exit code {exit_code(returncode)}{cause}"
