@@ -178,3 +178,10 @@ def test_environment_variable_set_too_late_is_warned_about():
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "1"
     assert "simulate_devices(2) came too late" in result.stderr and "Received: n=2" in result.stderr
+
+
+@pytest.mark.parametrize("option, value", [("cpu_merge", "no"), ("cpu_relocation", 2)])
+def test_options_that_are_not_bools_are_refused(option, value):
+    # A string such as 'no' would count as True.
+    with pytest.raises(TypeError, match=rf"parallelize\(\)'s {option} must be True or False \(.*\)\. Received: {option}={value!r}"):
+        kerasmulti.parallelize(_model(), gpus=2, **{option: value})

@@ -19,6 +19,7 @@ from kerasmulti._src.data_parallel import wrap as _wrap
 from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.multi_worker import worker_model as _worker_model
+from kerasmulti._src.utils.arguments import check_bool
 
 
 def parallelize(
@@ -90,7 +91,8 @@ def parallelize(
         and output names.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model`.
+        TypeError: If `model` is not a `keras.Model`, or `cpu_merge` or
+            `cpu_relocation` is not a bool.
         ValueError: If the model is not built, holds a stateful RNN, or the
             devices requested do not exist (a `DeviceError`, listing the
             available devices).
@@ -110,6 +112,8 @@ def parallelize(
     parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
     ```
     """
+    check_bool(cpu_merge, "parallelize()", "cpu_merge", "merge the replicas' outputs on the CPU")
+    check_bool(cpu_relocation, "parallelize()", "cpu_relocation", "keep the variables in host memory")
     strategy = _cluster.strategy()
     if strategy is not None:
         if isinstance(model, keras.Model):

@@ -179,6 +179,25 @@ def test_bad_backup_dirs_are_refused_at_construction(backup_dir, error, message)
         kerasmulti.ParallelBackupAndRestore(backup_dir)
 
 
+@pytest.mark.parametrize("keywords, error, message", [
+    ({"save_freq": 0}, ValueError, r"save_freq must be 'epoch' or a positive int.*Received: save_freq=0"),
+    ({"save_freq": -3}, ValueError, r"Received: save_freq=-3"),
+    ({"double_checkpoint": "no"}, TypeError, r"double_checkpoint must be True or False.*Received: double_checkpoint='no'"),
+    ({"delete_checkpoint": 1}, TypeError, r"delete_checkpoint must be True or False.*Received: delete_checkpoint=1"),
+])
+def test_bad_options_are_refused_at_construction(keywords, error, message):
+    with pytest.raises(error, match=message):
+        kerasmulti.ParallelBackupAndRestore("backup", **keywords)
+
+
+def test_a_weights_file_that_no_backup_wrote_is_refused_saying_so(tmp_path):
+    model, *_ = _setup(0)
+    model.save_weights(str(tmp_path / "latest.weights.h5"))
+    with pytest.raises(OSError, match=r"'.*latest.weights.h5' is damaged \(it holds no epoch, and there is no "
+                       r"training_metadata.json beside it: a weights file that no backup callback wrote"):
+        _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
+
+
 def test_bad_save_freq_is_keras_error():
     with pytest.raises(ValueError, match=r"Invalid value for argument `save_freq`. Received: save_freq=batch"):
         kerasmulti.ParallelBackupAndRestore("backup", save_freq="batch")

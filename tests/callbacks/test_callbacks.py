@@ -217,6 +217,9 @@ BAD_ARGUMENTS = [
     (("m.keras",), {"save_freq": "batch"}, ValueError, r"Received: save_freq='batch'"),
     (("m.keras",), {"save_freq": True}, ValueError, r"Received: save_freq=True"),
     (("m.keras",), {"monitor": 3}, TypeError, r"name of a logged metric.*Received: monitor=3"),
+    (("m.keras",), {"verbose": "loud"}, ValueError, r"verbose must be 0 \(silent\) or 1.*Received: verbose='loud'"),
+    (("m.keras",), {"verbose": 2}, ValueError, r"Received: verbose=2"),
+    (("m.keras",), {"initial_value_threshold": "low"}, TypeError, r"must be a number.*or None\. Received: initial_value_threshold='low'"),
     (("m.keras",), {"save_weights_only": True}, ValueError, r"must end in `.weights.h5`.*Received: filepath=m.keras"),  # Keras'
     (("m.txt",), {}, ValueError, r"must end in `.keras`.*Received: filepath=m.txt"),  # Keras'
 ]

@@ -104,6 +104,20 @@ def test_predict_from_npy_and_h5(files):
             np.testing.assert_allclose(f["emb"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_predict_loads_a_compiled_legacy_h5_model_without_its_training_settings(files):
+    # Predicting needs no loss: Keras' load of a legacy .h5 compiled with "mse" fails to deserialise it.
+    folder, model, x = files
+    legacy = keras.models.clone_model(model)
+    legacy.set_weights(model.get_weights())
+    legacy.compile(optimizer="adam", loss="mse")
+    legacy.save(folder / "legacy.h5")
+    out = folder / "legacy.out.h5"
+    result = _kerasmulti("predict", "legacy.h5", "x.npy", "--output", str(out), cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with h5py.File(out, "r") as f:
+        np.testing.assert_allclose(f["emb"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
 def test_predict_from_an_image_folder_stores_file_names(files):
     folder, model, _ = files
     out = folder / "images.out.h5"

@@ -125,3 +125,27 @@ def test_shuffling_is_keras_own():
     adapter = array_data_adapter.ArrayDataAdapter(x, x, batch_size=5, shuffle=True)
     assert ours == _rows(adapter.get_tf_dataset())
     assert sorted(ours) == list(range(12)) and ours != list(range(12))
+
+
+@pytest.mark.parametrize("method, steps", [("fit", "steps_per_epoch"), ("evaluate", "steps"), ("predict", "steps")])
+@pytest.mark.parametrize("hidden", [False, True], ids=["repeat", "repeat-filter"])
+def test_an_endless_dataset_without_steps_is_refused_before_reading_it(method, steps, hidden):
+    # Keras reads its first epoch forever; behind .filter() TensorFlow cannot even tell it is endless.
+    x, _ = _data(16)
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat()
+    if hidden:
+        data = data.filter(lambda a, b: a[0] > -100.0)
+    parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match=rf"{method}\(\) got a tf.data.Dataset as x that never ends.*Pass {steps}=.*Received: {steps}=None"):
+        getattr(parallel, method)(data.batch(4), verbose=0)
+    getattr(parallel, method)(data.batch(4), verbose=0, **{steps: 2})  # bounded: runs
+
+
+def test_endless_validation_data_without_validation_steps_is_refused():
+    x, _ = _data(16)
+    parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    endless = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(4)
+    with pytest.raises(ValueError, match=r"fit\(\) got a tf.data.Dataset as validation_data that never ends.*Received: validation_steps=None"):
+        parallel.fit(x, x[:, :1], validation_data=endless, verbose=0)

@@ -290,3 +290,14 @@ def test_strip_placement_refusals():
         kerasmulti.strip_placement(keras.layers.Dense(2))
     with pytest.raises(ValueError, match=r"inside a subclassed model or layer.*Received: model='code_model'"):
         kerasmulti.strip_placement(_placed_in_code(names="code_"))
+
+
+def test_a_missing_or_damaged_file_is_named_for_what_it_is(tmp_path):
+    # Keras says "File not found" for both.
+    missing = str(tmp_path / "nope.keras")
+    with pytest.raises(ValueError, match=rf"The model file '.*nope.keras' does not exist\. Check the path\. Received: filepath='{re.escape(missing)}'"):
+        kerasmulti.load_model(missing)
+    damaged = tmp_path / "cut.keras"
+    damaged.write_bytes(b"PK\x03\x04 not the rest of a zip")
+    with pytest.raises(ValueError, match=r"'.*cut.keras' is not a readable .keras file: a .keras file is a zip archive, and this one is not"):
+        kerasmulti.load_model(str(damaged))

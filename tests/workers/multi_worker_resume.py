@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import kerasmulti  # noqa: E402
 
@@ -56,7 +57,7 @@ class Strike(keras.callbacks.Callback):
         marker = os.path.join(out, "struck")
         if strike == self.steps and index == victim and not os.path.exists(marker):
             open(marker, "w").close()
-            print(f"SIG{strike_with} at step {self.steps}", flush=True)
+            print(f"SIG{strike_with} at step {self.steps}, sent at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), getattr(signal, f"SIG{strike_with}"))
         self.steps += 1
 

@@ -35,6 +35,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.callbacks import preemption as _preemption
 from kerasmulti._src.callbacks import training_state as _training_state
 from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
+from kerasmulti._src.utils import arguments as _arguments
 from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src.utils import fault_points as _fault_points
 
@@ -88,10 +89,12 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         delete_checkpoint: Delete the backup when training finishes.
 
     Raises:
-        TypeError: If `backup_dir` is not a path.
+        TypeError: If `backup_dir` is not a path, or `double_checkpoint` or
+            `delete_checkpoint` is not a bool.
         ValueError: If `backup_dir` is empty, remote, a file, or under a file
             or a folder this process cannot write; if `save_freq` is neither
-            `"epoch"` nor an int.
+            `"epoch"` nor a positive int; when training starts, if the backup
+            does not fit the model (a changed model).
         OSError: When training starts, if the backup is damaged and there is
             no previous backup to fall back to, or that is damaged too.
 
@@ -121,6 +124,13 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                 "ParallelBackupAndRestore's backup_dir must be a folder path, such as 'backup'. "
                 f"Received: backup_dir={backup_dir!r}"
             )
+        if save_freq != "epoch" and _arguments.is_int(save_freq) and save_freq < 1:
+            raise ValueError(
+                "ParallelBackupAndRestore's save_freq must be 'epoch' or a positive int (batches "
+                f"between backups). Received: save_freq={save_freq!r}"
+            )
+        _arguments.check_bool(double_checkpoint, "ParallelBackupAndRestore", "double_checkpoint", "keep the previous backup too")
+        _arguments.check_bool(delete_checkpoint, "ParallelBackupAndRestore", "delete_checkpoint", "delete the backup at the end")
         super().__init__(backup_dir, save_freq, double_checkpoint, delete_checkpoint)
         check_local(backup_dir, "ParallelBackupAndRestore", "backup_dir")
         check_target(backup_dir, "ParallelBackupAndRestore", "backup_dir", backup_dir, folder=True)
@@ -312,6 +322,11 @@ def _read_metadata(weights: str, metadata: str) -> dict:
             text, source = f.attrs.get(_METADATA), weights
     except OSError as error:
         raise _Damaged(weights, error) from error
+    if text is None and not os.path.exists(metadata):
+        raise _Damaged(weights, ValueError(
+            "it holds no epoch, and there is no training_metadata.json beside it: a weights file that no "
+            "backup callback wrote, or a Keras backup whose first save was cut short"
+        ))
     try:
         if text is None:  # a backup Keras wrote
             text, source = _read_text(metadata), metadata

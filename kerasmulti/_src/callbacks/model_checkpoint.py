@@ -20,6 +20,7 @@ import keras
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src.utils import arguments as _arguments
 from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src.utils import fault_points as _fault_points
 
@@ -137,6 +138,16 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
             raise TypeError(
                 "ParallelModelCheckpoint's monitor must be the name of a logged metric, such as "
                 f"'val_loss'. Received: monitor={monitor!r}"
+            )
+        if verbose not in (0, 1) or isinstance(verbose, bool):
+            # Keras compares it with 0 only once it saves, after the first epoch.
+            raise ValueError(
+                f"ParallelModelCheckpoint's verbose must be 0 (silent) or 1 (a line per save). Received: verbose={verbose!r}"
+            )
+        if initial_value_threshold is not None and not _arguments.is_real(initial_value_threshold):
+            raise TypeError(
+                "ParallelModelCheckpoint's initial_value_threshold must be a number (the monitored "
+                f"value to beat), or None. Received: initial_value_threshold={initial_value_threshold!r}"
             )
         super().__init__(
             filepath, monitor, verbose, save_best_only, save_weights_only, mode, save_freq, initial_value_threshold

@@ -35,7 +35,8 @@ def _model_from_file(path: str):
     if not os.path.isfile(path):
         raise ValueError(f"The model file '{path}' does not exist. Received: model={path!r}")
     try:
-        return _portable.load_model(path)  # a placed model keeps its placement
+        # A placed model keeps its placement; predicting needs no loss or optimizer.
+        return _portable.load_model(path, compile=False)
     except Exception as error:  # Keras raises many kinds for a bad file
         raise ValueError(
             f"'{path}' could not be loaded as a Keras model ({type(error).__name__}: "

@@ -23,6 +23,7 @@ import inspect
 import keras
 import tensorflow as tf
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
@@ -35,6 +36,39 @@ def bound(method, args, kwargs) -> dict:
     arguments.pop(next(iter(arguments)))  # self
     arguments.update(arguments.pop("kwargs", {}))
     return arguments
+
+
+def endless(data) -> bool:
+    """Whether `data` is a `tf.data.Dataset` that never ends, also behind an op that hides its length."""
+    if not isinstance(data, tf.data.Dataset):
+        return False
+    if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+        return True
+    return int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY) and _repeats_forever(data)
+
+
+def _repeats_forever(data: tf.data.Dataset) -> bool:
+    """Whether a `repeat()` without a count feeds `data` with no `take()` bounding it on the way."""
+    pending = [data]
+    while pending:
+        dataset = pending.pop()
+        kind, count = type(dataset).__name__, keras_private.dataset_count(dataset)
+        if kind == "_TakeDataset" and count is not None and count >= 0:
+            continue  # bounded from here on
+        if kind == "_RepeatDataset" and count is not None and count < 0:
+            return True
+        pending.extend(keras_private.dataset_inputs(dataset))
+    return False
+
+
+def check_ends(method: str, arguments: dict, steps: str, data: str = "x") -> None:
+    """Refuses an endless dataset without `steps`: Keras would read its first epoch forever."""
+    if arguments[steps] is None and endless(arguments[data]):
+        raise ValueError(
+            f"{method}() got a tf.data.Dataset as {data} that never ends (`.repeat()` without a count), so "
+            f"it would be read forever. Pass {steps}= (the batches to read), or give `.repeat()` a "
+            f"count. Received: {steps}=None"
+        )
 
 
 def _arrays(*structures) -> bool:
@@ -59,6 +93,8 @@ def fit_arguments(arguments: dict, seed: int | None = None) -> dict:
     With `seed`, shuffled arrays come in an order drawn from it and the
     epoch's number (`epoch_order`), which a backup can resume exactly.
     """
+    check_ends("fit", arguments, "steps_per_epoch")
+    check_ends("fit", arguments, "validation_steps", "validation_data")
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
     if arguments["steps_per_epoch"] is not None or not _arrays(x, y, sample_weight):
         return arguments
@@ -95,6 +131,7 @@ def _split_rows(x) -> int:
 
 def evaluate_arguments(arguments: dict) -> dict:
     """`evaluate`'s keyword arguments, with arrays as a pipeline."""
+    check_ends("evaluate", arguments, "steps")
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
     if arguments["steps"] is not None or not _arrays(x, y, sample_weight):
         return arguments
@@ -104,6 +141,7 @@ def evaluate_arguments(arguments: dict) -> dict:
 
 def predict_arguments(arguments: dict) -> dict:
     """`predict`'s keyword arguments, with arrays as a pipeline."""
+    check_ends("predict", arguments, "steps")
     if arguments["steps"] is not None or not _arrays(arguments["x"]):
         return arguments
     return dict(arguments, x=pipeline(arguments["x"], batch_size=arguments["batch_size"]), batch_size=None)

@@ -115,6 +115,21 @@ def install() -> None:
     saving_lib.load_weights_only = _load_weights_only
 
 
+def _check_file(filepath) -> None:
+    """Says what is wrong with a local file Keras would call "not found" (it says so for a damaged one too)."""
+    if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
+        return
+    path = str(filepath)
+    if not os.path.exists(path):
+        raise ValueError(f"The model file '{path}' does not exist. Check the path. Received: filepath={path!r}")
+    if path.endswith(".keras") and os.path.isfile(path) and not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"'{path}' is not a readable .keras file: a .keras file is a zip archive, and this one is not "
+            f"(cut short while copied or written, or another format renamed). Save the model again, or load "
+            f"the file it was copied from. Received: filepath={path!r}"
+        )
+
+
 def load_model(filepath, custom_objects: dict | None = None, compile: bool = True, safe_mode: bool = True) -> keras.Model:
     """Loads a model as `keras.models.load_model` does, with its placement back.
 
@@ -135,6 +150,10 @@ def load_model(filepath, custom_objects: dict | None = None, compile: bool = Tru
     Returns:
         The loaded `keras.Model`, placed as it was saved.
 
+    Raises:
+        ValueError: If a local `filepath` does not exist, or is a `.keras`
+            file that is not a zip archive (damaged); else as Keras raises.
+
     Example:
 
     ```python
@@ -150,6 +169,7 @@ def load_model(filepath, custom_objects: dict | None = None, compile: bool = Tru
     print(kerasmulti.placement_summary(loaded))  # 'hidden' on the second device
     ```
     """
+    _check_file(filepath)
     model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode)
     config = _saved_config(filepath)
     if config is None or RECORD not in config or type(model) not in REBUILDABLE:

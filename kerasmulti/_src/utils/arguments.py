@@ -18,6 +18,11 @@ def is_positive_int(value) -> bool:
     return is_int(value) and value >= 1
 
 
+def is_real(value) -> bool:
+    """True for a finite real number, numpy's included; False for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+
+
 def is_positive_finite(value) -> bool:
     """True for a real number above 0 and below infinity, numpy's included; False for bools."""
     return (
@@ -26,3 +31,11 @@ def is_positive_finite(value) -> bool:
         and math.isfinite(value)
         and value > 0
     )
+
+
+def check_bool(value, caller: str, name: str, meaning: str) -> None:
+    """Refuses anything but True or False: a string such as 'no' would count as True."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(
+            f"{caller}'s {name} must be True or False ({meaning}). Received: {name}={value!r}"
+        )
