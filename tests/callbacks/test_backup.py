@@ -171,7 +171,8 @@ def test_resumes_from_a_backup_plain_keras_wrote(tmp_path):
 
 @pytest.mark.parametrize("backup_dir, error, message", [
     (3, TypeError, r"must be a folder path.*Received: backup_dir=3"),
-    ("", ValueError, r"Empty `backup_dir` argument passed"),  # Keras'
+    ("", ValueError, r"needs the folder to keep its backup in, such as 'backup'.*Received: backup_dir=''"),
+    (None, ValueError, r"needs the folder to keep its backup in.*Received: backup_dir=None"),
     ("s3://bucket/backup", ValueError, r"writes local files only.*Received: backup_dir='s3://bucket/backup'"),
 ])
 def test_bad_backup_dirs_are_refused_at_construction(backup_dir, error, message):

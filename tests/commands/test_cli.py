@@ -70,6 +70,9 @@ def test_demo_refuses_an_output_that_is_a_file_before_training(tmp_path):
     assert "Traceback" not in result.stderr and "epoch" not in result.stdout
     assert f"is a file. Pass a folder (it is made if missing). Received: output='{tmp_path / 'model'}'" in result.stderr
     assert (tmp_path / "model").read_text() == "not a folder"
+    under = _kerasmulti("demo", "--output", str(tmp_path / "model" / "sub"))  # a folder under that file
+    assert under.returncode == 2 and "Traceback" not in under.stderr and "epoch" not in under.stdout
+    assert f"cannot be made (Not a directory). Pass a folder this user can write. Received: output='{tmp_path / 'model' / 'sub'}'" in under.stderr
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +141,7 @@ def test_predict_from_an_image_folder_stores_file_names(files):
         (["m.keras", "nope.npy"], "The input 'nope.npy' does not exist. Received: input='nope.npy'"),
         (["m.keras", "x.h5", "--dataset", "zz"], "holds the datasets ['images', 'labels']; pass the one to predict on with --dataset NAME. Received: dataset='zz'"),
         (["m.keras", "x.h5"], "Received: dataset=None"),
+        (["m.keras", "x.npy", "--dataset", "images"], "is a .npy file, which holds one array. Drop --dataset. Received: dataset='images'"),
         (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
         (["m.keras", "x.h5", "--dataset", "labels"], "do not fit model"),
         (["m.keras", "zero.npy"], "got a single value (a 0-d array), not rows. Add a batch axis, e.g. np.expand_dims(x, 0). Received: shape=()"),

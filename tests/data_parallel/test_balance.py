@@ -355,6 +355,12 @@ def test_a_bad_baseline_is_refused(baseline):
         kerasmulti.ThroughputMonitor(baseline=baseline)
 
 
+@pytest.mark.parametrize("verbose", ["loud", 5, True])
+def test_a_bad_verbose_is_refused(verbose):
+    with pytest.raises(ValueError, match=f"verbose must be 1 \\(a line per epoch\\) or 0 \\(silent\\)\\. Received: verbose={verbose!r}"):
+        kerasmulti.ThroughputMonitor(verbose=verbose)
+
+
 @pytest.mark.parametrize("baseline", [100, 100.0, np.float32(100.0), np.int64(100)], ids=str)
 def test_a_baseline_of_any_real_number_type_is_taken(baseline):
     assert kerasmulti.ThroughputMonitor(baseline=baseline).baseline == 100.0

@@ -5,6 +5,7 @@ from simulated import DEVICES
 import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -168,6 +169,31 @@ def test_unreadable_data_and_wrong_shapes_are_refused():
         kerasmulti.parallel_predict(_two_outputs(), [np.zeros((3, 6)), np.zeros((4, 6))])
 
 
+def test_lists_of_numbers_generators_and_model_paths_are_refused_with_the_fix():
+    model, x = _two_outputs(), _data(16)
+    with pytest.raises(TypeError, match=r"a list or dict of arrays.*np\.asarray\(\.\.\.\).*Received: data=list holding float"):
+        kerasmulti.parallel_predict(model, x.tolist(), verbose=0)
+
+    def batches():
+        for begin in range(0, 16, 4):
+            yield x[begin : begin + 4]
+
+    for steps in (None, 2):
+        with pytest.raises(TypeError, match=r"Python generator.*from_generator.*keras\.utils\.PyDataset.*Received: data=generator"):
+            kerasmulti.parallel_predict(model, batches(), steps=steps, verbose=0)
+    # The fix the message gives works, steps= included.
+    wrapped = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    _assert_same(model.predict(x[:8], verbose=0), kerasmulti.parallel_predict(model, wrapped, steps=2, verbose=0))
+    with pytest.raises(TypeError, match=r"^parallel_predict\(\) predicts with a keras\.Model.*keras\.models\.load_model.*Received: model='model\.keras'$"):
+        kerasmulti.parallel_predict("model.keras", x, verbose=0)
+
+
+@pytest.mark.parametrize("verbose", ["loud", 3, -1, 1.0, None])
+def test_verbose_other_than_model_predicts_is_refused(verbose):
+    with pytest.raises(ValueError, match=r"verbose as in model\.predict.*Received: verbose=" + re.escape(repr(verbose)) + "$"):
+        kerasmulti.parallel_predict(_two_outputs(), _data(4), verbose=verbose)
+
+
 def test_progress_bar_shows_rows_per_second_and_verbose_0_is_quiet(capsys):
     model, x = _two_outputs(), _data(40)
     kerasmulti.parallel_predict(model, x, batch_size=8, verbose=0)
@@ -175,6 +201,8 @@ def test_progress_bar_shows_rows_per_second_and_verbose_0_is_quiet(capsys):
     kerasmulti.parallel_predict(model, x, batch_size=8, verbose=1)
     out = capsys.readouterr().out
     assert "40/40" in out and "rows/s" in out
+    for verbose in (2, "auto", np.int64(0), False):
+        kerasmulti.parallel_predict(model, x, batch_size=8, verbose=verbose)
 
 
 @pytest.mark.slow
@@ -382,6 +410,43 @@ def test_batches_that_break_the_row_count_are_refused(tmp_path):
     # With output= the pipeline is read to count its rows, then to predict.
     with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 has 5 rows now and had 3.*Received: batch=0, rows=5"):
         kerasmulti.parallel_predict(model, dataset, verbose=0, output=str(tmp_path / "out.h5"))
+
+
+def test_a_reshuffling_pipeline_is_refused_before_the_file_is_made(tmp_path):
+    # Its rows would be written in another order than the input's, unnoticed.
+    model, x = _two_outputs(), _data(16)
+    path = tmp_path / "out.h5"
+    reshuffled = tf.data.Dataset.from_tensor_slices(x).shuffle(16, seed=0).batch(4)
+    with pytest.raises(ValueError, match=r"gave other batches when read again: batch 0 holds other values.*reshuffle_each_iteration=False.*Received: batch=0$"):
+        kerasmulti.parallel_predict(model, reshuffled, output=str(path), verbose=0)
+    assert not path.exists()
+    # Shuffled once, in an order that every read repeats: written in that order.
+    fixed = tf.data.Dataset.from_tensor_slices(x).shuffle(16, seed=0, reshuffle_each_iteration=False).batch(4)
+    kerasmulti.parallel_predict(model, fixed, output=str(path), verbose=0)
+    rows = np.concatenate(list(fixed.as_numpy_iterator()))
+    assert not np.array_equal(rows, x)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f["features"][:], model.predict(rows, verbose=0)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_with_other_values_when_read_again_is_refused_before_it_is_written(tmp_path):
+    model, x = _two_outputs(), _data(10)
+    path = str(tmp_path / "out.h5")
+    reads = []
+
+    def batches():  # the second batch in another order after the first read, same rows
+        reads.append(1)
+        yield x[:3]
+        yield x[3:8] if len(reads) == 1 else x[3:8][::-1]
+        yield x[8:]
+
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    with pytest.raises(ValueError, match=r"gave other batches when read again: batch 1 holds other values.*Received: batch=1$"):
+        kerasmulti.parallel_predict(model, dataset, output=path, verbose=0)
+    with h5py.File(path, "r") as f:  # the batch before it is written, the refused one is not
+        assert f.attrs["kerasmulti_rows_done"] == 3
+        np.testing.assert_allclose(f["features"][:3], model.predict(x[:3], verbose=0)[0], rtol=1e-5, atol=1e-6)
+        assert not f["features"][3:].any()
 
 
 def test_an_input_that_ends_early_when_read_again_is_refused(tmp_path):

@@ -165,3 +165,27 @@ def test_a_full_disk_on_resume_stops_before_writing_and_keeps_the_rows(tmp_path,
     monkeypatch.undo()
     kerasmulti.parallel_predict(model, x, batch_size=4, output=str(path), verbose=0)
     _assert_file_holds(path, model, x)
+
+
+def test_extra_is_checked_before_anything_is_written(tmp_path):
+    model, x = _model(), _data(10)
+    path = tmp_path / "out.h5"
+    refused = [
+        (ValueError, {"names": np.arange(3)}, r"extra 'names' has 3 rows, but 10 rows are predicted.*Received: extra\['names'\]\.shape=\(3,\), rows=10$"),
+        (ValueError, {"names": np.int64(7)}, r"extra 'names' has no rows.*Received: extra\['names'\]\.shape=\(\), rows=10$"),
+        (TypeError, ["a"], r"extra must be a dict of arrays.*Received: extra=\['a'\]$"),
+        (ValueError, {"score": np.arange(10)}, r"extra \['score'\] has the name of a model output.*\['features', 'score'\].*Received: extra=\{'score': \.\.\.\}$"),
+        (ValueError, {"a/b": np.arange(10)}, r"keys name datasets.*without '/'.*Received: extra=\{'a/b': \.\.\.\}$"),
+    ]
+    for error, extra, message in refused:
+        with pytest.raises(error, match=message):
+            kerasmulti.parallel_predict(model, x, output=path, extra=extra, verbose=0)
+        assert not path.exists()
+    # Without a file it would be dropped unseen.
+    with pytest.raises(ValueError, match=r"stores extra= in the output file.*Received: output=None, extra=\{'names': \.\.\.\}$"):
+        kerasmulti.parallel_predict(model, x, extra={"names": np.arange(10)}, verbose=0)
+    kerasmulti.parallel_predict(model, x, extra={}, verbose=0)  # nothing to drop
+    kerasmulti.parallel_predict(model, x, output=path, extra={"names": list(range(10))}, verbose=0)
+    with h5py.File(path, "r") as f:
+        assert list(f["names"][:]) == list(range(10))
+    _assert_file_holds(path, model, x)

@@ -3,15 +3,19 @@
 from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorFlow starts
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
 
 import kerasmulti
+from kerasmulti._src.commands import launch as _launch_command
+from kerasmulti._src.multi_worker import launch as _launch
 from kerasmulti._src.multi_worker import tf_config as _tf_config
 
 WORKERS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers")
@@ -24,10 +28,10 @@ def _environment(**env):
     return {**environment, "TF_CPP_MIN_LOG_LEVEL": "3", **env}
 
 
-def _kerasmulti(*args, env=None, timeout=180):
+def _kerasmulti(*args, env=None, timeout=180, cwd=None):
     return subprocess.run(
         [sys.executable, "-m", "kerasmulti", "launch", *args],
-        capture_output=True, text=True, env=_environment(**(env or {})), timeout=timeout,
+        capture_output=True, text=True, env=_environment(**(env or {})), timeout=timeout, cwd=cwd,
     )
 
 
@@ -169,6 +173,62 @@ def test_bad_cluster_requests_are_refused(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args, script, message",
+    [
+        (["--workers", "2"], "nope.py", r"There is no script at \S*nope.py; no worker was started\. Check the path\."),
+        (["--hosts", "a:1,b:2", "--index", "0"], "nope.py", r"There is no script at .*"),
+        (["--workers", "2"], ".", r"The script is a folder with no __main__.py for Python to run; no worker was started\. "
+                                  r"Pass the .py file\."),
+        (["--workers", "2"], "broken.py", r"The script is not valid Python at line 2: '\(' was never closed; no worker "
+                                          r"was started\. Fix it \(`python -m py_compile broken.py` shows where\)\."),
+    ],
+)
+def test_a_script_no_worker_could_run_is_refused_before_any_worker_starts(tmp_path, args, script, message):
+    (tmp_path / "broken.py").write_text("import os\nx = (\n")
+    result = _kerasmulti(*args, script, cwd=tmp_path)
+    assert result.returncode == 2
+    assert re.search(f"{message} Received: script='{re.escape(script)}'$", result.stderr.strip()), result.stderr
+    assert "[worker" not in result.stdout and "resume" not in result.stdout + result.stderr
+
+
+def test_what_python_runs_is_a_script_the_launcher_accepts(tmp_path):
+    (tmp_path / "package").mkdir()
+    (tmp_path / "package" / "__main__.py").write_text("print('a folder')\n")
+    with zipfile.ZipFile(tmp_path / "app.pyz", "w") as app:
+        app.writestr("__main__.py", "print('a zip application')\n")
+    (tmp_path / "latin.py").write_bytes("# -*- coding: latin-1 -*-\nname = 'café'\n".encode("latin-1"))
+    for script in ("package", "app.pyz", "latin.py"):
+        _launch_command._check_script(str(tmp_path / script))  # no error
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda path: path.write_bytes(b"a = 1\0\n"), "The script is not valid Python: source code string cannot contain null bytes"),
+        (lambda path: os.mkfifo(path), "The script is not a regular file; no worker was started. Pass the .py file"),
+    ],
+)
+def test_a_script_that_is_not_python_source_is_refused(tmp_path, make, message):
+    script = tmp_path / "train.py"
+    make(script)
+    with pytest.raises(kerasmulti.LaunchError, match=re.escape(f"{message}") + f".*Received: script='{re.escape(str(script))}'"):
+        _launch_command._check_script(str(script))
+
+
+def test_a_script_that_cannot_be_read_is_refused(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_launch_command, "open", refuse, raising=False)  # as for a file of another user
+    message = r"The script cannot be read \(Permission denied\); no worker was started\. Check its permissions\."
+    with pytest.raises(kerasmulti.LaunchError, match=f"{message} Received: script='{re.escape(str(script))}'"):
+        _launch_command._check_script(str(script))
+
+
 def test_the_notebook_launcher_refuses_once_tensorflow_ran():
     import tensorflow as tf
 
@@ -244,7 +304,56 @@ def test_a_value_a_worker_cannot_pickle_is_a_clear_error():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "launch raised: Worker " in result.stdout
     assert "finished, but its return value cannot be pickled to send it back" in result.stdout
-    assert "Received: exitcode=3" in result.stdout and "pickle" in result.stdout.split("launch raised")[0].lower()
+    assert "Received: type=function" in result.stdout and "pickle" in result.stdout.split("launch raised")[0].lower()
+
+
+EXITING = """
+import sys
+
+import kerasmulti
+from kerasmulti._src import cluster
+
+
+def stop(code):
+    if cluster.config()["task"]["index"] == 0:
+        sys.exit(code)
+    return "returned"
+
+
+for code in (3, 0, %d):
+    try:
+        print("launch returned", kerasmulti.launch(stop, args=(code,), workers=2), flush=True)
+    except RuntimeError as error:
+        print("launch raised", error, flush=True)
+""" % _launch.UNSENDABLE
+
+
+@pytest.mark.slow  # a subprocess or a long fit: CI runs it, the fast tier does not
+@NEEDS_CLUSTER
+def test_a_function_that_calls_sys_exit_ends_its_worker_as_a_script(tmp_path):
+    (tmp_path / "exiting.py").write_text(EXITING)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "exiting.py")], capture_output=True, text=True,
+        env=_environment(), timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    raised = [line for line in result.stdout.splitlines() if line.startswith("launch")]
+    assert raised == [
+        "launch raised Worker 0 of 2 failed (its output is above, prefixed [worker 0]); the others were stopped. "
+        "Received: exitcode=3",
+        "launch returned [None, 'returned']",  # sys.exit(0) is a success, with no value
+        # The launcher's own code for an unpicklable value, when a function exits with it.
+        f"launch raised Worker 0 of 2 failed (its output is above, prefixed [worker 0]); the others were stopped. "
+        f"Received: exitcode={_launch.UNSENDABLE}",
+    ]
+    assert "[worker 0] SystemExit: 3" in result.stdout and "Traceback" not in result.stdout + result.stderr
+
+
+def test_sys_exit_codes_in_a_worker_are_those_of_a_script(capsys):
+    assert [_launch._exit_code(code) for code in (None, 0, False, 3, 255, 256, -1)] == [0, 0, 0, 3, 255, 1, 255]
+    assert capsys.readouterr().out.splitlines()[0] == "SystemExit: 3"  # nothing printed for a success
+    assert _launch._exit_code("bad config") == 1
+    assert capsys.readouterr().out == "SystemExit: bad config\n"
 
 
 def test_stopping_the_launcher_stops_its_workers():

@@ -129,6 +129,22 @@ def test_a_slurm_task_on_a_node_outside_its_step_is_refused(monkeypatch):
         _tf_config.slurm_tf_config()
 
 
+@pytest.mark.parametrize(
+    "rank, local, message",
+    [
+        ("5", "5", r"rank is not one of the job step's 2 task\(s\) \(0 to 1\).*Received: SLURM_PROCID='5'"),
+        ("1", "5", r"local id on vm is not one of the 2 task\(s\) the job step runs there \(0 to 1\)\. "
+                   r"Run `kerasmulti launch` directly under srun.*Received: SLURM_LOCALID='5'"),
+        ("1", "x", r"local id on vm is not one of the 2 task\(s\).*Received: SLURM_LOCALID='x'"),
+    ],
+)
+def test_a_slurm_task_whose_rank_or_local_id_is_out_of_range_is_refused(monkeypatch, rank, local, message):
+    # Its node is the step's: the refusal names the number that is wrong, not the node.
+    _slurm_step(monkeypatch, rank, nodes="vm", SLURMD_NODENAME="vm", SLURM_LOCALID=local)
+    with pytest.raises(LaunchError, match=message):
+        _tf_config.slurm_tf_config()
+
+
 def test_the_launcher_loads_without_tensorflow():
     # `kerasmulti launch` only starts processes: TensorFlow (seconds, and a
     # GPU driver a forked worker could not use) loads in the workers.

@@ -119,7 +119,13 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         double_checkpoint: bool = False,
         delete_checkpoint: bool = True,
     ):
-        if backup_dir and not isinstance(backup_dir, (str, os.PathLike)):  # empty: Keras' error
+        if backup_dir is None or backup_dir == "":
+            raise ValueError(
+                "Empty `backup_dir` argument passed (Keras' words): ParallelBackupAndRestore needs the "
+                "folder to keep its backup in, such as 'backup' (the "
+                f"same one each time the script runs). Received: backup_dir={backup_dir!r}"
+            )
+        if not isinstance(backup_dir, (str, os.PathLike)):
             raise TypeError(
                 "ParallelBackupAndRestore's backup_dir must be a folder path, such as 'backup'. "
                 f"Received: backup_dir={backup_dir!r}"

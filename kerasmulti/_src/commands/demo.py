@@ -108,7 +108,13 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
             f"demo --output names the folder the trained model is saved in, but {output} is a file. "
             f"Pass a folder (it is made if missing). Received: output={output!r}"
         )
-    os.makedirs(output, exist_ok=True)  # before training: a folder it cannot make fails now
+    try:
+        os.makedirs(output, exist_ok=True)  # before training: a folder it cannot make fails now
+    except OSError as error:
+        raise ValueError(
+            f"demo --output names the folder the trained model is saved in, and '{output}' cannot be made "
+            f"({error.strerror}). Pass a folder this user can write. Received: output={output!r}"
+        ) from error
     (x_train, y_train), (x_test, y_test) = _digits()
     model = _convnet(seed=42)
     parallel = parallelize(model, gpus=gpus)

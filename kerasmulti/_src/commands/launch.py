@@ -9,12 +9,15 @@
   placed by TensorFlow's `SlurmClusterResolver`; `--port` moves its ports.
 
 Each worker joins its cluster at `import kerasmulti` (`KERASMULTI_JOIN=1`).
+The script is checked first (it exists, is a file, and compiles), so a
+mistyped path or a syntax error is one message, not N failed workers.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import zipfile
 
 from kerasmulti._src.multi_worker.supervisor import run_one, run_workers
 from kerasmulti._src.multi_worker.tf_config import LaunchError, check_restarts, in_slurm_step, parse_hosts, slurm_tf_config, tf_config
@@ -26,6 +29,7 @@ def run(args) -> int:
     command = [sys.executable, args.script, *args.args]
     check_restarts(args.max_restarts)
     _check_combination(args)
+    _check_script(args.script)
     if args.workers is not None:
         return run_workers(command, args.workers, args.devices_per_worker, max_restarts=args.max_restarts)
     if args.max_restarts:
@@ -75,3 +79,34 @@ def _check_combination(args) -> None:
             "--port (1 to 65535) sets the first port of a SLURM job step's workers, so it needs "
             f"srun. Run it under srun, or drop --port. Received: port={args.port}"
         )
+
+
+def _check_script(script: str) -> None:
+    """Refuses a script that every worker would fail to start: missing, a folder, or not Python."""
+    path = script
+    if os.path.isdir(script):
+        path = os.path.join(script, "__main__.py")  # as Python runs a folder
+        if not os.path.isfile(path):
+            raise _script_error(script, "The script is a folder with no __main__.py for Python to run", "Pass the .py file")
+    elif not os.path.exists(script):
+        raise _script_error(script, f"There is no script at {os.path.abspath(script)}", "Check the path")
+    elif not os.path.isfile(script):
+        raise _script_error(script, "The script is not a regular file", "Pass the .py file")
+    if zipfile.is_zipfile(path):  # a zip application, which Python runs too
+        return
+    try:
+        with open(path, "rb") as file:
+            source = file.read()
+    except OSError as error:
+        raise _script_error(script, f"The script cannot be read ({error.strerror})", "Check its permissions") from None
+    try:
+        # Compiles without running it; `dont_inherit`: not this module's `__future__` flags.
+        compile(source, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:
+        where = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+        problem = f"The script is not valid Python{where}: {getattr(error, 'msg', None) or error}"
+        raise _script_error(script, problem, f"Fix it (`python -m py_compile {path}` shows where)") from None
+
+
+def _script_error(script: str, problem: str, fix: str) -> LaunchError:
+    return LaunchError(f"{problem}; no worker was started. {fix}. Received: script={script!r}")

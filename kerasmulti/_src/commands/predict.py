@@ -168,6 +168,11 @@ def run(args) -> int:
         if os.path.isdir(args.input):
             data = _image_input(args, model, extra)
         elif args.input.endswith(".npy"):
+            if args.dataset is not None:
+                raise ValueError(
+                    f"--dataset names a dataset inside an HDF5 input; '{args.input}' is a .npy file, which "
+                    f"holds one array. Drop --dataset. Received: dataset={args.dataset!r}"
+                )
             data = _npy_input(args.input)
         elif args.input.endswith((".h5", ".hdf5")):
             data = _hdf5_input(args.input, args.dataset, stack)

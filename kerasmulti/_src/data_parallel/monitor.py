@@ -86,6 +86,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 f"Received: baseline={baseline!r}"
             )
         self.baseline = None if baseline is None else float(baseline)
+        if verbose not in (0, 1) or isinstance(verbose, bool):
+            raise ValueError(
+                f"ThroughputMonitor's verbose must be 1 (a line per epoch) or 0 (silent). Received: verbose={verbose!r}"
+            )
         self.verbose = verbose
         self.records: list[dict] = []
         self._log_dir = None  # set by ParallelModel.fit when a TensorBoard callback is given

@@ -4,7 +4,8 @@
   (contiguous, allocated early), under a temporary name that is then renamed
   into place (`atomic`), so it is valid from the moment it exists. A missing
   folder is made first, as Keras' `ModelCheckpoint` makes it.
-- Its top level holds the outputs (and the caller's `extra` datasets) only.
+- Its top level holds the outputs (and the caller's `extra` datasets, checked
+  before anything is written: a dict, one row per input row, no output's name) only.
   What kerasmulti keeps for itself is in attributes of the root: the model's
   and the input's fingerprints, the row count, and `kerasmulti_rows_done`,
   the rows that are final.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Mapping
 
 import h5py
 import numpy as np
@@ -69,6 +71,59 @@ def check_not_input(data, output: str) -> None:
                 f"parallel_predict() would overwrite '{output}', the file it reads its input from. "
                 f"Choose another output path. Received: output={output!r}"
             )
+
+
+def check_extra(extra, output) -> dict:
+    """`extra` as a dict of arrays; refuses what is not one, or has no file to go in."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(
+            "parallel_predict()'s extra must be a dict of arrays to store beside the results, one row "
+            f"per input row, e.g. extra={{'filenames': names}}. Received: extra={extra!r}"
+        )
+    if output is None and extra:
+        # With the results returned in memory, extra= would be dropped unseen.
+        raise ValueError(
+            "parallel_predict() stores extra= in the output file, and output=None returns the results "
+            "instead. Pass output='features.h5' too, or drop extra=. "
+            f"Received: output=None, extra={_keys(extra)}"
+        )
+    for key in extra:
+        if not isinstance(key, str) or key in ("", ".") or "/" in key:
+            raise ValueError(
+                "parallel_predict()'s extra= keys name datasets at the top of the HDF5 file: "
+                f"non-empty strings without '/'. Rename it. Received: extra={{{key!r}: ...}}"
+            )
+    return dict(extra)
+
+
+def check_extra_rows(extra: dict, rows: int) -> None:
+    """Refuses an `extra` array without one row per input row."""
+    for key, value in extra.items():
+        got = len(value) if np.ndim(value) else None
+        if got != rows:
+            raise ValueError(
+                f"parallel_predict()'s extra '{key}' has {'no rows' if got is None else f'{got} rows'}, "
+                f"but {rows} rows are predicted: extra= holds one row per input row. Pass {rows} rows. "
+                f"Received: extra[{key!r}].shape={np.shape(value)}, rows={rows}"
+            )
+
+
+def check_extra_names(extra: dict, names) -> None:
+    """Refuses an `extra` key that is also the name of an output dataset."""
+    clashes = sorted(set(extra) & set(names))
+    if clashes:
+        raise ValueError(
+            f"parallel_predict()'s extra {clashes} has the name of a model output, and each output is "
+            f"a dataset of the file named after it (outputs: {list(names)}). Rename it in extra=. "
+            f"Received: extra={_keys(extra)}"
+        )
+
+
+def _keys(extra) -> str:
+    """`extra` as its keys, without its (long) arrays."""
+    return "{" + ", ".join(f"{key!r}: ..." for key in extra) + "}"
 
 
 def file_dtype(dtype: np.dtype) -> np.dtype:

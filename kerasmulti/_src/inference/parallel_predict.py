@@ -28,6 +28,7 @@ from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
 from kerasmulti._src.devices import resolve_devices
+from kerasmulti._src.inference import fingerprints as _fingerprints
 from kerasmulti._src.inference import output_file as _output_file
 from kerasmulti._src.inference import sources as _sources
 from kerasmulti._src.utils import fault_points as _fault_points
@@ -121,7 +122,8 @@ def parallel_predict(
             the model, unseen by Keras (not a layer, not saved).
         data: Numpy arrays (lists or dicts of them for several inputs, a
             memory-mapped `.npy` file), an `h5py.Dataset`, a
-            `keras.utils.PyDataset` or a `tf.data.Dataset` (both yield batches).
+            `keras.utils.PyDataset` or a `tf.data.Dataset` (both yield batches;
+            a Python generator goes in `tf.data.Dataset.from_generator`).
         gpus: As in `parallelize`: how many devices, a list of ids, or None.
         devices: As in `parallelize`: explicit TensorFlow device names.
         batch_size: Rows per step for arrays and HDF5 datasets.
@@ -129,8 +131,9 @@ def parallel_predict(
             made if missing), or None to return them.
         verbose: `"auto"` or 1 shows a progress bar with rows/s, 0 is quiet,
             2 prints one line at the end.
-        extra: Arrays stored beside the results (e.g. `{"filenames": names}`),
-            one row per input row.
+        extra: A dict of arrays stored beside the results in `output` (e.g.
+            `{"filenames": names}`), one row per input row, each a dataset
+            named after its key (not an output's name). Needs `output`.
         steps: As in `model.predict`: how many batches to predict, or None
             for all of them. Needed for an endless input (`.repeat()`).
 
@@ -141,10 +144,14 @@ def parallel_predict(
 
     Raises:
         ValueError: If the rows do not fit the model, `batch_size` or `steps`
-            is not a positive int, `output` cannot be written or holds results
-            of another model or input, or an output's rows change shape
-            between batches with `output` set.
-        TypeError: If `data` is of a kind it cannot read.
+            is not a positive int, `verbose` is not 0, 1, 2 or `"auto"`,
+            `output` cannot be written or holds results of another model or
+            input, `extra` is given without `output`, lacks one row per input
+            row or takes an output's name, or, with `output` set, an output's
+            rows change shape between batches or a `tf.data.Dataset` gives
+            other batches when read again (a reshuffling `shuffle()`).
+        TypeError: If `model` is not a `keras.Model`, `data` is of a kind it
+            cannot read (a Python generator), or `extra` is not a dict.
 
     Example:
 
@@ -165,9 +172,23 @@ def parallel_predict(
             "parallel_predict() needs steps as a positive int (batches to predict) or None (all of "
             f"them). Received: steps={steps!r}"
         )
+    # As model.predict takes it; True and False too, which it reads as 1 and 0.
+    if not (verbose == "auto" if isinstance(verbose, str) else isinstance(verbose, (int, np.integer)) and verbose in (0, 1, 2)):
+        raise ValueError(
+            "parallel_predict() takes verbose as in model.predict: \"auto\" or 1 (a progress bar), "
+            f"0 (quiet) or 2 (one line at the end). Received: verbose={verbose!r}"
+        )
     if output is not None:
         output = _output_file.check_path(output)
         _refuse_on_other_workers(output)
+    extra = _output_file.check_extra(extra, output)
+    if not isinstance(model, keras.Model):
+        shown = repr(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__
+        raise TypeError(
+            "parallel_predict() predicts with a keras.Model (or one from kerasmulti.parallelize()). "
+            "Load a saved model first, model = keras.models.load_model(path), and pass that. "
+            f"Received: model={shown}"
+        )
     if type(model) is ParallelModel and gpus is None and devices is None:
         parallel = model  # its compiled step is reused across calls
     else:
@@ -186,7 +207,8 @@ def parallel_predict(
         collected = [batch for batch, _ in _predicted_batches(predict, source, 0, batch_size, verbose)]
         return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
     _output_file.check_not_input(data, output)
-    _stream(predict, template, source, output, batch_size, verbose, extra or {})
+    _output_file.check_extra_rows(extra, source.rows)
+    _stream(predict, template, source, output, batch_size, verbose, extra)
     return output
 
 
@@ -213,8 +235,8 @@ def _concatenate(parts):
 def _stream(predict, template, source, output, batch_size, verbose, extra) -> None:
     """Predicts into the HDF5 file `output`, creating it or resuming it."""
     attributes = {
-        _output_file.MODEL: _sources.model_fingerprint(template),
-        "kerasmulti_input": _sources.fingerprint(source),
+        _output_file.MODEL: _fingerprints.model_fingerprint(template),
+        "kerasmulti_input": _fingerprints.fingerprint(source),
         "kerasmulti_rows": source.rows,
     }
     sample = source.sample()
@@ -222,6 +244,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
     names = _output_names(template, outputs)
     spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
     _check_row_shapes(template, source, sample, names, spec, output)
+    _output_file.check_extra_names(extra, names)
     if not os.path.exists(output):
         _output_file.create(output, source.rows, spec, names, attributes, extra)
     with _output_file.open_existing(output, attributes) as f:

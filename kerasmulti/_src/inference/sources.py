@@ -1,4 +1,4 @@
-"""Input sources for batch inference: row counts, row slices, fingerprints.
+"""Input sources for batch inference: row counts, row slices, what identifies them.
 
 Every source is read a batch at a time, so memory stays flat however large the
 input: numpy arrays (also memory-mapped `.npy` files and lists/dicts of
@@ -12,8 +12,8 @@ pipeline that training input without a given dataset is fed through
 
 from __future__ import annotations
 
+import collections.abc
 import hashlib
-import json
 from typing import Iterator
 
 import keras
@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from keras import tree
 
-from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import feeding as _feeding
 
 
 def batched(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
@@ -113,19 +113,22 @@ class BatchedSource(Source):
     resumed call finds the batch to start from. A pipeline is read once to
     count them (and hashed whole meanwhile); a PyDataset's are taken from
     its first and last batch, as Keras' contract says every batch but the
-    last is full. Every batch read later is checked against that count.
+    last is full. Every batch read later is checked against that count, and
+    a pipeline's against the values it had when counted (a reshuffled one
+    would otherwise be written in another order, unnoticed).
     """
 
     def __init__(self, data, steps: int | None = None):
         self.data = data
-        self._row_shapes = {}
+        self._row_shapes, self._sample = {}, None
         if isinstance(data, tf.data.Dataset):
             _refuse_endless(data)
-            self.sizes, hashes, row = [], None, 0
+            self.sizes, self._digests, hashes, row = [], [], None, 0
             for batch in self._raw():
                 leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
                 self._note_row_shapes(batch, row)
                 self.sizes.append(_row_count(batch))
+                self._digests.append(_batch_digest(leaves))
                 row += self.sizes[-1]
                 hashes = hashes or [hashlib.sha256(f"{a.shape[1:]}{a.dtype}".encode()) for a in leaves]
                 for digest, array in zip(hashes, leaves):
@@ -169,12 +172,27 @@ class BatchedSource(Source):
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
         skip = start - int(self._starts[first])
         for index, batch in enumerate(self._raw(first), first):
-            rows = _row_count(batch)
-            expected = self.sizes[index] if index < len(self.sizes) else 0
-            if rows != expected:
-                raise ValueError(self._changed_batch(index, rows, expected))
+            self._check_batch(index, batch)
             yield tree.map_structure(lambda a: np.asarray(a)[skip:], batch)
             skip = 0
+
+    def _check_batch(self, index, batch) -> None:
+        """Refuses a batch unlike the one counted: other rows, or (for a pipeline) other values."""
+        rows = _row_count(batch)
+        expected = self.sizes[index] if index < len(self.sizes) else 0
+        if rows != expected:
+            raise ValueError(self._changed_batch(index, rows, expected))
+        if isinstance(self.data, tf.data.Dataset) and index < len(self._digests):
+            leaves = [np.ascontiguousarray(a) for a in tree.flatten(batch)]
+            if _batch_digest(leaves) != self._digests[index]:
+                # Written, its rows would sit in another order than the input's (or
+                # be others), and the file's fingerprint would not match its rows.
+                raise ValueError(
+                    f"The tf.data.Dataset gave other batches when read again: batch {index} holds other "
+                    "values now, as a reshuffling `shuffle()` or a random augmentation gives them. Make it "
+                    "repeatable (shuffle(..., seed=..., reshuffle_each_iteration=False), no random ops), or "
+                    f"pass output=None. Received: batch={index}"
+                )
 
     def _changed_batch(self, index, rows, expected) -> str:
         if isinstance(self.data, tf.data.Dataset):
@@ -192,7 +210,12 @@ class BatchedSource(Source):
         )
 
     def sample(self):
-        return next(self._raw())
+        # Read afresh and checked, so that a pipeline that reshuffles is
+        # refused before the output file is made.
+        if self._sample is None:
+            self._sample = next(self._raw())
+            self._check_batch(0, self._sample)
+        return self._sample
 
     def row_shapes(self):
         # A pipeline's batches, all read to count them; a PyDataset's first and last.
@@ -240,7 +263,7 @@ def _refuse_endless(data: tf.data.Dataset) -> None:
             "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= (the batches "
             "to predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
         )
-    if int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY) and _repeats_forever(data):
+    if _feeding.endless(data):
         # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
         raise ValueError(
             "parallel_predict() got a tf.data.Dataset that repeats forever (`.repeat()` without a "
@@ -248,20 +271,6 @@ def _refuse_endless(data: tf.data.Dataset) -> None:
             "read forever. Pass steps= (the batches to predict), or give `.repeat()` a count. "
             "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
         )
-
-
-def _repeats_forever(data: tf.data.Dataset) -> bool:
-    """Whether a `repeat()` without a count feeds `data` with no `take()` bounding it on the way."""
-    pending = [data]
-    while pending:
-        dataset = pending.pop()
-        kind, count = type(dataset).__name__, keras_private.dataset_count(dataset)
-        if kind == "_TakeDataset" and count is not None and count >= 0:
-            continue  # bounded from here on
-        if kind == "_RepeatDataset" and count is not None and count < 0:
-            return True
-        pending.extend(keras_private.dataset_inputs(dataset))
-    return False
 
 
 FINGERPRINT_SAMPLES = 16
@@ -281,6 +290,15 @@ def _inputs_of(batch):
     if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
         return batch[0]
     return batch
+
+
+def _batch_digest(leaves) -> bytes:
+    """Identifies a batch's values (contiguous arrays), to recognise it when read again."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in leaves:
+        digest.update(f"{array.shape}{array.dtype}".encode())
+        digest.update(array.tobytes())
+    return digest.digest()
 
 
 def _row_count(batch) -> int:
@@ -310,56 +328,24 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
         return StreamedSource(data)
     if isinstance(data, (tf.data.Dataset, keras.utils.PyDataset)):
         return BatchedSource(data, steps)
-    leaves = tree.flatten(data)
-    if not leaves or not all(hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves):
+    if isinstance(data, collections.abc.Iterator):
         raise TypeError(
-            "parallel_predict() reads numpy arrays (or lists/dicts of them), an "
-            "h5py.Dataset, a keras.utils.PyDataset or a tf.data.Dataset. "
-            f"Received: data={type(data).__name__}"
+            "parallel_predict() cannot read a Python generator or iterator: it is read once, and "
+            "parallel_predict() may read its input twice (with output=, to count the rows first). Wrap "
+            "it in tf.data.Dataset.from_generator(make_batches, output_signature=...), whose function "
+            f"makes a new generator for each read, or in a keras.utils.PyDataset. Received: data={type(data).__name__}"
+        )
+    leaves = tree.flatten(data)
+    arrays = [hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves]
+    if not leaves or not all(arrays):
+        nested = leaves and isinstance(data, (list, tuple, dict))
+        held = f" holding {type(leaves[arrays.index(False)]).__name__}" if nested else ""
+        raise TypeError(
+            "parallel_predict() reads numpy arrays (a list or dict of arrays for a model with several "
+            "inputs), an h5py.Dataset, a keras.utils.PyDataset or a tf.data.Dataset. Convert nested "
+            f"Python lists with np.asarray(...) first. Received: data={type(data).__name__}{held}"
         )
     return ArraySource(data, None if steps is None else steps * batch_size)
-
-
-def fingerprint(source: Source) -> str:
-    """Identifies an input by its size and rows spread over all of it.
-
-    A pipeline (`tf.data`) is hashed whole, as it is read once anyway to
-    count its rows; arrays and HDF5 datasets by 16 pairs of rows spread from
-    first to last; a PyDataset by its first two and last two rows. An edit
-    that misses every sampled row goes unnoticed. Rows, not batches: the same
-    data batched differently is the same input (within each kind).
-    """
-    digest = hashlib.sha256(str(source.rows).encode())
-    for part in source.fingerprint_parts():
-        for array in tree.flatten(part):
-            array = np.ascontiguousarray(array)
-            digest.update(f"{array.shape}{array.dtype}".encode())
-            digest.update(array.tobytes())
-    return digest.hexdigest()
-
-
-def model_fingerprint(model) -> str:
-    """Identifies a model by its architecture and weights."""
-    try:
-        # Without placement's `layer_id`s: they name layer objects of this
-        # process, and a reloaded model must be the same model.
-        config = _without_key(model.get_config(), "layer_id")
-        architecture = f"{type(model).__qualname__}:{json.dumps(config, sort_keys=True)}"
-    except Exception:  # a subclassed model whose config cannot be serialised
-        architecture = f"{type(model).__module__}.{type(model).__qualname__}"
-    digest = hashlib.sha256(architecture.encode())
-    for weight in model.weights:
-        digest.update(f"{weight.path}{tuple(weight.shape)}".encode())
-        digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
-    return digest.hexdigest()
-
-
-def _without_key(config, key):
-    if isinstance(config, dict):
-        return {k: _without_key(v, key) for k, v in config.items() if k != key}
-    if isinstance(config, (list, tuple)):
-        return [_without_key(v, key) for v in config]
-    return config
 
 
 def check_inputs(model, sample) -> None:

@@ -29,8 +29,11 @@ from kerasmulti._src.multi_worker.tf_config import (
     worker_environment,
 )
 
-# A worker's exit code when its function returned a value that cannot be pickled.
-UNSENDABLE = 3
+# A worker's exit code when its function returned a value that cannot be
+# pickled (not retried). An uncommon one, since a function's own
+# sys.exit(code) ends its worker with that code too; the worker also sends
+# an `_Unsendable`, which tells the two apart.
+UNSENDABLE = 65
 
 
 def launch(
@@ -54,6 +57,11 @@ def launch(
     runs TensorFlow here: build models inside `function`, not in the notebook.
     Imports are fine.
 
+    A `sys.exit(code)` in `function` ends its worker as it ends a script:
+    `sys.exit()` or `sys.exit(0)` is a success whose return value is None;
+    another int is a failure with that exit code, and anything else (a
+    message) is printed and is a failure with exit code 1.
+
     Args:
         function: What each worker runs. Its return value (which must be
             picklable, e.g. `history.history`) is sent back.
@@ -76,7 +84,8 @@ def launch(
             positive int, `max_restarts` not an int of 0 or more, or more
             GPUs are asked for than this machine has.
         RuntimeError: If TensorFlow already ran in this process, or a worker
-            failed (its traceback is printed above the error).
+            failed (its traceback is printed above the error; the error ends
+            with its exit code, e.g. `Received: exitcode=3` for `sys.exit(3)`).
 
     Example:
 
@@ -128,14 +137,15 @@ def launch(
         return _Forked(process), os.fdopen(read_fd, "r", errors="replace")
 
     processes, failed = run_cluster(start, workers, sys.stdout, max_restarts, final=(UNSENDABLE,))
-    if failed is not None and processes[failed].returncode == UNSENDABLE:
-        raise RuntimeError(
-            f"Worker {failed} finished, but its return value cannot be pickled to send it back "
-            f"(the reason is above, prefixed [worker {failed}]). Return plain data (numbers, "
-            "lists, dicts, arrays), e.g. history.history or model.get_weights(), not a function "
-            f"or a model. Received: exitcode={UNSENDABLE}"
-        )
     if failed is not None:
+        sent = _received(receivers[failed])
+        if isinstance(sent, _Unsendable):
+            raise RuntimeError(
+                f"Worker {failed} finished, but its return value cannot be pickled to send it back "
+                f"(the reason is above, prefixed [worker {failed}]). Return plain data (numbers, "
+                "lists, dicts, arrays), e.g. history.history or model.get_weights(), not a function "
+                f"or a model. Received: type={sent.type_name}"
+            )
         raise RuntimeError(
             f"Worker {failed} of {workers} failed (its output is above, prefixed "
             f"[worker {failed}]); the others were stopped. "
@@ -151,6 +161,19 @@ def launch(
                 f"history.history rather than the History object. Received: error={type(receiver.error).__name__}"
             )
     return [receivers[index].value for index in range(workers)]
+
+
+class _Unsendable:
+    """What a worker sends instead of a return value that cannot be pickled."""
+
+    def __init__(self, type_name: str):
+        self.type_name = type_name
+
+
+def _received(receiver: threading.Thread):
+    """What a worker that has ended sent: its value, an `_Unsendable`, or None."""
+    receiver.join()
+    return receiver.value
 
 
 class _Forked:
@@ -210,6 +233,8 @@ def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:
     _cluster.start()  # a worker whose port was taken exits here, to be started again
     try:
         value = function(*args)
+    except SystemExit as stop:
+        os._exit(_exit_code(stop.code))
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -218,9 +243,22 @@ def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:
         results.send(value)  # pickled whole before a byte is sent
     except Exception as error:
         print(f"{type(error).__name__}: {error}", flush=True)
+        results.send(_Unsendable(type(value).__name__))
         os._exit(UNSENDABLE)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _exit_code(code) -> int:
+    """The exit code of a worker whose function called `sys.exit(code)`, as for a script."""
+    if code is None or (isinstance(code, int) and code == 0):
+        sys.stdout.flush()
+        return 0  # sends nothing: its value is None
+    # A script's sys.exit prints nothing for an int; in a notebook, the
+    # worker's output is all that shows why it ended.
+    print(f"SystemExit: {code}", flush=True)
+    # An int past 255 would wrap around (256 to 0, a success): it is a failure.
+    return (code % 256 or 1) if isinstance(code, int) else 1
 
 
 def _receive(connection) -> threading.Thread:

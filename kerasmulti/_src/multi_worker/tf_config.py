@@ -212,25 +212,38 @@ def slurm_tf_config(port: int | None = None) -> str:
             "`kerasmulti launch` under srun, one task per worker. Received: "
             f"SLURM_STEP_NODELIST={os.environ.get('SLURM_STEP_NODELIST')!r}"
         ) from None
+    if not isinstance(resolver.task_id, int) or not 0 <= resolver.task_id < len(hosts):
+        # The resolver gives no index to a rank outside the step's tasks.
+        raise LaunchError(
+            f"This SLURM task's rank is not one of the job step's {len(hosts)} task(s) (0 to "
+            f"{len(hosts) - 1}); run `kerasmulti launch` under srun, one task per worker, in one "
+            f"job step. Received: SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}"
+        )
     node, local = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_LOCALID")
     if node is None or local is None:
-        if not isinstance(resolver.task_id, int) or not 0 <= resolver.task_id < len(hosts):
-            # The resolver gives no index to a rank outside the step's tasks.
-            raise LaunchError(
-                f"This SLURM task's rank is not one of the job step's {len(hosts)} task(s) (0 to "
-                f"{len(hosts) - 1}); run `kerasmulti launch` under srun, one task per worker, in one "
-                f"job step. Received: SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}"
-            )
         return tf_config(hosts, resolver.task_id)
     # The resolver takes the nodes in name order (node10 before node9) and
     # gives ranks in that order, which is not always where srun placed them
     # (--distribution=cyclic, or names of several lengths): a task's place
     # is its node's address for its local id.
-    address = f"{node}:{port + int(local)}"
-    if address not in hosts:
+    return tf_config(hosts, hosts.index(_slurm_address(hosts, node, local, port)))
+
+
+def _slurm_address(hosts: list[str], node: str, local: str, port: int) -> str:
+    """This task's address among the step's `hosts`: its node's port for its local id."""
+    here = sum(h.rpartition(":")[0] == node for h in hosts)  # the step's tasks on this node
+    if not here:
         raise LaunchError(
             f"This SLURM task runs on {node}, which is not among the job step's nodes "
             f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}). Run `kerasmulti launch` "
             f"under srun, in that job step. Received: SLURMD_NODENAME={node!r}"
         )
-    return tf_config(hosts, hosts.index(address))
+    if not (local.isdecimal() and int(local) < here):
+        # SLURM numbers a node's tasks 0 to n-1: another value came from
+        # another step's environment, or was set by hand.
+        raise LaunchError(
+            f"This SLURM task's local id on {node} is not one of the {here} task(s) the job step "
+            f"runs there (0 to {here - 1}). Run `kerasmulti launch` directly under srun, one task "
+            f"per worker, so that SLURM sets each task's variables. Received: SLURM_LOCALID={local!r}"
+        )
+    return f"{node}:{port + int(local)}"

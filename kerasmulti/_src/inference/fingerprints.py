@@ -1,0 +1,58 @@
+"""What identifies the model and the input of an output file, so that another's are refused.
+
+A file is resumed only by the model (architecture and weights) and the input
+(its rows, or rows spread over all of it: `Source.fingerprint_parts`) that
+began it; adding rows of another would corrupt it silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+from keras import tree
+
+from kerasmulti._src.inference.sources import Source
+
+
+def fingerprint(source: Source) -> str:
+    """Identifies an input by its size and rows spread over all of it.
+
+    A pipeline (`tf.data`) is hashed whole, as it is read once anyway to
+    count its rows; arrays and HDF5 datasets by 16 pairs of rows spread from
+    first to last; a PyDataset by its first two and last two rows. An edit
+    that misses every sampled row goes unnoticed. Rows, not batches: the same
+    data batched differently is the same input (within each kind).
+    """
+    digest = hashlib.sha256(str(source.rows).encode())
+    for part in source.fingerprint_parts():
+        for array in tree.flatten(part):
+            array = np.ascontiguousarray(array)
+            digest.update(f"{array.shape}{array.dtype}".encode())
+            digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model) -> str:
+    """Identifies a model by its architecture and weights."""
+    try:
+        # Without placement's `layer_id`s: they name layer objects of this
+        # process, and a reloaded model must be the same model.
+        config = _without_key(model.get_config(), "layer_id")
+        architecture = f"{type(model).__qualname__}:{json.dumps(config, sort_keys=True)}"
+    except Exception:  # a subclassed model whose config cannot be serialised
+        architecture = f"{type(model).__module__}.{type(model).__qualname__}"
+    digest = hashlib.sha256(architecture.encode())
+    for weight in model.weights:
+        digest.update(f"{weight.path}{tuple(weight.shape)}".encode())
+        digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
+    return digest.hexdigest()
+
+
+def _without_key(config, key):
+    if isinstance(config, dict):
+        return {k: _without_key(v, key) for k, v in config.items() if k != key}
+    if isinstance(config, (list, tuple)):
+        return [_without_key(v, key) for v in config]
+    return config
