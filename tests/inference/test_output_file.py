@@ -189,3 +189,8 @@ def test_extra_is_checked_before_anything_is_written(tmp_path):
     with h5py.File(path, "r") as f:
         assert list(f["names"][:]) == list(range(10))
     _assert_file_holds(path, model, x)
+    # numpy's fixed-width text, which h5py refuses as it is, is stored as UTF-8 strings.
+    texts = np.array([f"row {i} é" for i in range(10)])
+    kerasmulti.parallel_predict(model, x, output=tmp_path / "texts.h5", extra={"names": texts}, verbose=0)
+    with h5py.File(tmp_path / "texts.h5", "r") as f:
+        assert list(f["names"].asstr()[:]) == list(texts)

@@ -121,6 +121,14 @@ def check_extra_names(extra: dict, names) -> None:
         )
 
 
+def _storable(value):
+    """`value` as HDF5 stores it: numpy's fixed-width text (`<U`), which h5py refuses, as UTF-8 strings."""
+    array = np.asarray(value)
+    if array.dtype.kind == "U":
+        return array.astype(h5py.string_dtype("utf-8"))
+    return value
+
+
 def _keys(extra) -> str:
     """`extra` as its keys, without its (long) arrays."""
     return "{" + ", ".join(f"{key!r}: ..." for key in extra) + "}"
@@ -144,7 +152,7 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
                 dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                 f.create_dataset(name, shape=(rows, *shape), dtype=dtype, dcpl=dcpl)
             for key, value in extra.items():
-                f.create_dataset(key, data=value)
+                f.create_dataset(key, data=_storable(value))
             f.attrs.update(attributes)
             f.attrs[PROGRESS] = np.int64(0)
         reserve(temporary)
