@@ -236,32 +236,38 @@ def _assert_weights_equal(folder, expected):
                 np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=0, err_msg=key)
 
 
-def _strike(rng):
-    victim, step = int(rng.integers(0, 2)), int(rng.integers(1, 15))
+def _strike(rng, victim=None):
+    victim = int(rng.integers(0, 2)) if victim is None else victim
+    step = int(rng.integers(1, 15))
     print(f"worker {victim} gets the signal as step {step} begins")
     return ("--victim", str(victim), "--strike", str(step)), victim, step
 
 
-def test_with_max_restarts_a_worker_killed_mid_epoch_restarts_the_job_which_ends_as_the_uninterrupted_one(
-    tmp_path, uninterrupted_workers
+@pytest.mark.parametrize("signal_name", ["KILL", "TERM"])
+def test_with_max_restarts_a_worker_stopped_mid_epoch_restarts_the_job_which_ends_as_the_uninterrupted_one(
+    tmp_path, uninterrupted_workers, signal_name
 ):
     # SIGKILL leaves no chance to save: the restarted job resumes at the last
     # epoch's backup, drawing that epoch's order and Dropout masks again.
+    # SIGTERM: every worker backs up the step and exits 42, restarted at once.
     strike, victim, _ = _strike(np.random.default_rng())
     result = _launch_workers(
-        "multi_worker_resume.py", str(tmp_path), *STRUCK_RUN, *strike, "--signal", "KILL", launcher=("--max-restarts", "1")
+        "multi_worker_resume.py", str(tmp_path), *STRUCK_RUN, *strike, "--signal", signal_name, launcher=("--max-restarts", "1")
     )
-    assert (
-        f"kerasmulti launch: worker {victim} failed with exit code 137 (killed by SIGKILL); stopped the others. "
-        "Starting all 2 workers again (restart 1 of 1): they resume from their last backup."
-    ) in result.stdout
+    stopped = (
+        f"worker {victim} failed with exit code 137 (killed by SIGKILL)" if signal_name == "KILL"
+        else "SIGTERM stopped the workers after they backed up the step they reached (worker "
+    )
+    assert f"kerasmulti launch: {stopped}" in result.stdout
+    assert "Starting all 2 workers again (restart 1 of 1): they resume from their last backup." in result.stdout
     _assert_weights_equal(tmp_path, uninterrupted_workers)
 
 
+@pytest.mark.parametrize("victim", [0, 1], ids=["chief", "worker 1"])
 def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_the_rerun_ends_as_the_uninterrupted_one(
-    tmp_path, uninterrupted_workers
+    tmp_path, uninterrupted_workers, victim
 ):
-    strike, victim, step = _strike(np.random.default_rng())
+    strike, victim, step = _strike(np.random.default_rng(), victim)
     command = [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "multi_worker_resume.py")]
     stopped = subprocess.run(
         [*command, str(tmp_path), *STRUCK_RUN, *strike], capture_output=True, text=True, env=ENV, timeout=300
