@@ -219,6 +219,7 @@ BAD_ARGUMENTS = [
     (("m.keras",), {"monitor": 3}, TypeError, r"name of a logged metric.*Received: monitor=3"),
     (("m.keras",), {"verbose": "loud"}, ValueError, r"verbose must be 0 \(silent\) or 1.*Received: verbose='loud'"),
     (("m.keras",), {"verbose": 2}, ValueError, r"Received: verbose=2"),
+    (("m.keras",), {"mode": "biggest"}, ValueError, r"mode must be 'min' \(lower is better\), 'max', or 'auto'.*Received: mode='biggest'"),
     (("m.keras",), {"initial_value_threshold": "low"}, TypeError, r"must be a number.*or None\. Received: initial_value_threshold='low'"),
     (("m.keras",), {"save_weights_only": True}, ValueError, r"must end in `.weights.h5`.*Received: filepath=m.keras"),  # Keras'
     (("m.txt",), {}, ValueError, r"must end in `.keras`.*Received: filepath=m.txt"),  # Keras'

@@ -88,8 +88,10 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         initial_value_threshold: The value `monitor` must beat to be saved.
 
     Raises:
-        TypeError: If `filepath` is not a path, or the Keras 2 form lacks it.
-        ValueError: At construction, if `filepath` cannot be filled in (an
+        TypeError: If `filepath` is not a path, or the Keras 2 form lacks it;
+            if `initial_value_threshold` is not a number.
+        ValueError: At construction, if `mode` is not "auto", "min" or "max",
+            `verbose` not 0 or 1, or `filepath` cannot be filled in (an
             unbalanced brace, a format such as `{loss:d}` that does not fit
             a float), is remote, is an existing folder, or lies under a file
             or a folder this process cannot write; if its suffix does not fit
@@ -138,6 +140,12 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
             raise TypeError(
                 "ParallelModelCheckpoint's monitor must be the name of a logged metric, such as "
                 f"'val_loss'. Received: monitor={monitor!r}"
+            )
+        if mode not in ("auto", "min", "max"):
+            # Keras warns and falls back to "auto", which may save the worst model as the best.
+            raise ValueError(
+                "ParallelModelCheckpoint's mode must be 'min' (lower is better), 'max', or 'auto' (from "
+                f"the metric's name). Received: mode={mode!r}"
             )
         if verbose not in (0, 1) or isinstance(verbose, bool):
             # Keras compares it with 0 only once it saves, after the first epoch.
