@@ -106,7 +106,8 @@ import keras, numpy as np
 
 class Fail(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        if sys.argv[2] == "raises":
+        if sys.argv[2].startswith("raises") and not getattr(self, "done", False):
+            self.done = True
             raise RuntimeError("stop")
 
 model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -118,6 +119,13 @@ try:
 except RuntimeError:
     pass
 print("after fit", flush=True)
+if sys.argv[2] == "raises-then-fits":  # the handler the first fit left serves the second
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    parallel.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=2, epochs=2, callbacks=[backup, Stop()], verbose=0)
 os.kill(os.getpid(), signal.SIGTERM)
 print("still running", flush=True)
 """
@@ -131,3 +139,12 @@ def test_after_fit_sigterm_ends_the_process_as_without_kerasmulti(tmp_path, fit)
     )
     assert result.returncode == -signal.SIGTERM, result.stderr[-3000:]
     assert "after fit" in result.stdout and "still running" not in result.stdout
+
+
+def test_a_fit_after_one_that_raised_still_backs_up_on_sigterm(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AFTER_FIT, str(tmp_path / "backup"), "raises-then-fits"],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )
+    assert result.returncode == REQUEUE, result.stderr[-3000:]
+    assert "resumes after step 2 of epoch 1" in result.stderr

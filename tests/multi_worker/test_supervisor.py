@@ -46,6 +46,7 @@ def test_an_exit_code_reads_as_a_shell_reports_it():
 
 def test_an_ignored_hangup_stays_ignored_while_workers_run():
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         with _supervisor._stopped_with_this_process():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -53,6 +54,21 @@ def test_an_ignored_hangup_stays_ignored_while_workers_run():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, previous)
+        signal.signal(signal.SIGTERM, term)
+
+
+def test_the_handler_a_fit_that_raised_left_counts_as_the_default():
+    # Keras calls no on_train_end when fit raises: ParallelBackupAndRestore's
+    # SIGTERM handler stays, acting as the default outside fit.
+    from kerasmulti._src.callbacks import preemption as _preemption
+
+    term = signal.signal(signal.SIGTERM, _preemption._dispatch)
+    try:
+        with _supervisor._stopped_with_this_process():
+            assert signal.getsignal(signal.SIGTERM) is _supervisor._terminated
+        assert signal.getsignal(signal.SIGTERM) is _preemption._dispatch
+    finally:
+        signal.signal(signal.SIGTERM, term)
 
 
 JOIN = "import kerasmulti; print('joined', kerasmulti._src.cluster.strategy() is not None, flush=True)"

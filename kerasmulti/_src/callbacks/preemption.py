@@ -32,20 +32,15 @@ class Watch:
     """Raises a flag on SIGTERM while `model.fit` runs; `stop()` puts the default back."""
 
     def __init__(self, model):
+        global _watching
         self.model, self.received, self._installed = model, False, False
         if threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, _dispatch):
             return  # ignored (nohup) or handled by the program: left as it is
-        signal.signal(signal.SIGTERM, self._handle)
+        _watching = self
+        signal.signal(signal.SIGTERM, _dispatch)
         self._installed = True
-
-    def _handle(self, signum, frame):
-        if not self._fitting(frame):
-            self.stop()
-            os.kill(os.getpid(), signum)  # as without this handler
-            return
-        self.received = True
 
     def _fitting(self, frame) -> bool:
         while frame is not None:
@@ -55,14 +50,38 @@ class Watch:
         return False
 
     def stop(self) -> None:
-        if self._installed:
+        global _watching
+        if self._installed and signal.getsignal(signal.SIGTERM) is _dispatch:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            self._installed = False
+        self._installed = False
+        if _watching is self:
+            _watching = None
 
     def agreed(self) -> bool:
         """Whether any worker received SIGTERM; the same answer on every worker, after the same step."""
         agree = getattr(self.model, "_any_worker", None)
         return bool(agree(self.received)) if agree is not None else self.received
+
+
+_watching: Watch | None = None
+
+
+def _dispatch(signum, frame):
+    """The SIGTERM handler: a flag while the watched `fit` runs; else SIGTERM's default.
+
+    Keras calls no `on_train_end` when `fit` raises, so the handler can
+    outlive its `fit`: it then ends the process as SIG_DFL would. The
+    launcher takes it for the default (`acts_as_default`).
+    """
+    watch = _watching
+    if watch is not None and watch._fitting(frame):
+        watch.received = True
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_dispatch.acts_as_default = True
 
 
 def leave(model, message: str) -> None:

@@ -268,6 +268,10 @@ def _start_pump(stream, index: int, out) -> threading.Thread:
     return pump
 
 
+def _default(handler) -> bool:
+    return handler is signal.SIG_DFL or getattr(handler, "acts_as_default", False)
+
+
 def _terminated(signum, frame):
     raise SystemExit(128 + signum)  # runs the `finally` that stops the workers
 
@@ -285,7 +289,8 @@ def _stopped_with_this_process():
     signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     # Only where the signal would end this process: an ignored one (nohup)
     # or one the program handles stays as it is.
-    previous = {s: signal.signal(s, _terminated) for s in signals if signal.getsignal(s) is signal.SIG_DFL}
+    # (A ParallelBackupAndRestore's handler left by a fit that raised acts as the default.)
+    previous = {s: signal.signal(s, _terminated) for s in signals if _default(signal.getsignal(s))}
     try:
         yield
     finally:
