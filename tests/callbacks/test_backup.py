@@ -230,3 +230,21 @@ class TestKerasOwnTestsOnParallelBackupAndRestore(keras_tests.BackupAndRestoreCa
         history = model.fit(x, y, batch_size=4, callbacks=[backup], epochs=5, verbose=0)
         assert history.epoch == [0, 1, 2, 3, 4]
         assert int(model.layers[0].counter.value) == 15
+
+
+def test_a_backup_whose_seed_states_do_not_fit_the_model_is_refused(tmp_path):
+    # Weights that still load (Dropout has none), seeded layers that changed.
+    def build(dropout):
+        keras.utils.set_random_seed(0)
+        extra = [keras.layers.Dropout(0.5)] if dropout else []
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), *extra, keras.layers.Dense(1)])
+        parallel = kerasmulti.parallelize(model, gpus=2)
+        parallel.compile(optimizer="sgd", loss="mse")
+        return parallel
+
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        build(False).fit(x, y, epochs=3, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(str(tmp_path)), _Interrupt(1)])
+    with pytest.raises(ValueError, match=r"does not fit the model being trained.*\(its seed states do not match the "
+                       r"model's \(0 saved, 1 now\)\).*The backup is left as it is\. Received: backup_dir="):
+        build(True).fit(x, y, epochs=3, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(str(tmp_path))])
