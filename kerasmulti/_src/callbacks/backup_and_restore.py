@@ -300,9 +300,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
         def save(tmp):
             self.model.save_weights(tmp)
-            _training_state.write(self.model, tmp)
-            with h5py.File(tmp, "a") as f:
-                f.attrs[_METADATA] = metadata
+            _training_state.write(self.model, tmp, {_METADATA: metadata})
 
         self._write(paths["weights"], save)
         _fault_points.reached("backup:weights")

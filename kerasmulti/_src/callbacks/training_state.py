@@ -41,8 +41,8 @@ def seed_states(model) -> list:
     return states
 
 
-def write(model, path: str) -> None:
-    """Adds the seed states and the metrics' values to the weights file at `path`."""
+def write(model, path: str, attributes: dict) -> None:
+    """Adds the seed states, the metrics' values and `attributes` to the weights file at `path`."""
     metrics = model.metrics_variables
     if any(isinstance(getattr(v, "value", v), tf.distribute.DistributedValues) for v in metrics):
         # Across workers each worker holds its own part of a metric, and
@@ -50,6 +50,7 @@ def write(model, path: str) -> None:
         # resumed epoch's logs there cover the batches after the resume.
         metrics = []
     with h5py.File(path, "a") as f:
+        f.attrs.update(attributes)
         group = f.create_group(_GROUP)
         for name, variables in (("seeds", seed_states(model)), ("metrics", metrics)):
             part = group.create_group(name)
