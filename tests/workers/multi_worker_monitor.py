@@ -3,7 +3,8 @@
 Worker 1's replica is slowed to half speed. Phases:
 
 - monitored: every worker passes a monitor and a TensorBoard callback (log
-  folder OUT/logs), with validation data; each saves its monitor's records.
+  folder OUT/logs), with validation data; each saves its monitor's records
+  and the wall clock read by callbacks listed before and after the monitor.
 - refusal: a monitor on the chief only; each worker saves fit's error.
 - devices: what `available_devices()` lists on each worker (its own only).
 
@@ -13,6 +14,7 @@ Each worker writes OUT/worker-<index>.json.
 import json
 import os
 import sys
+import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,11 +36,34 @@ model = keras.Sequential(
 parallel = kerasmulti.parallelize(model)
 parallel.compile(optimizer="adam", loss="mse")
 
-monitor = kerasmulti.ThroughputMonitor()
+
+
+class Clock(keras.callbacks.Callback):
+    """The wall clock around the monitor: listed before it, `before` sees each
+    epoch begin and each step end first; listed after it, `after` sees the last
+    step end last. Keras calls callbacks in the order given."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epochs.append({"begin": time.perf_counter(), "steps": []})
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.epochs[-1]["steps"].append([time.perf_counter(), None])
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.epochs[-1]["steps"][-1][1] = time.perf_counter()
+
+
+monitor, before, after = kerasmulti.ThroughputMonitor(), Clock(), Clock()
 tensorboard = keras.callbacks.TensorBoard(os.path.join(out, "logs"))
 # Validation runs its collectives between the last step and the monitor's gather.
-parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor, tensorboard], validation_data=(x[:40], y[:40]))
+parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[before, monitor, after, tensorboard],
+             validation_data=(x[:40], y[:40]))
 results["records"] = monitor.records
+results["clock"] = {"before": before.epochs, "after": after.epochs}
 
 try:
     parallel.fit(x, y, batch_size=48, verbose=0, callbacks=[kerasmulti.ThroughputMonitor()] if index == 0 else [])
