@@ -205,7 +205,7 @@ def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_pa
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 130, stderr[-3000:]
     assert [line for line in stderr.splitlines() if line.startswith("kerasmulti:")] == [
-        "kerasmulti: interrupted; stopped the workers. If the script trains with ParallelBackupAndRestore, "
+        "kerasmulti: interrupted; no worker is left running. If the script trains with ParallelBackupAndRestore, "
         "run the same command to resume from its last backup."
     ]
     time.sleep(0.5)  # a worker the launcher had not reaped would still be in its group

@@ -213,7 +213,7 @@ def _after_interrupt(args) -> str:
     if args.command == "launch":
         from kerasmulti._src.multi_worker.supervisor import RESUME_HINT
 
-        return f"; stopped the workers. {RESUME_HINT}"
+        return f"; no worker is left running. {RESUME_HINT}"
     return ""
 
 
