@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import call_checks as _call_checks
 from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
 
@@ -87,12 +88,15 @@ def pipeline(x, y=None, sample_weight=None, batch_size=None, shuffle=False, clas
     return dataset.with_options(options)
 
 
-def fit_arguments(arguments: dict, seed: int | None = None) -> dict:
+def fit_arguments(arguments: dict, seed: int | None = None, model=None) -> dict:
     """`fit`'s keyword arguments, with arrays (and validation arrays) as pipelines.
 
     With `seed`, shuffled arrays come in an order drawn from it and the
-    epoch's number (`epoch_order`), which a backup can resume exactly.
+    epoch's number (`epoch_order`), which a backup can resume exactly. With
+    `model`, the arguments are first checked against it (`call_checks`).
     """
+    if model is not None:
+        _call_checks.check_fit(model, arguments)
     check_ends("fit", arguments, "steps_per_epoch")
     check_ends("fit", arguments, "validation_steps", "validation_data")
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
@@ -129,8 +133,10 @@ def _split_rows(x) -> int:
     return int(next(iter(keras.tree.flatten(x))).shape[0])
 
 
-def evaluate_arguments(arguments: dict) -> dict:
-    """`evaluate`'s keyword arguments, with arrays as a pipeline."""
+def evaluate_arguments(arguments: dict, model=None) -> dict:
+    """`evaluate`'s keyword arguments, with arrays as a pipeline; checked against `model` if given."""
+    if model is not None:
+        _call_checks.check_evaluate(model, arguments)
     check_ends("evaluate", arguments, "steps")
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
     if arguments["steps"] is not None or not _arrays(x, y, sample_weight):
@@ -139,8 +145,10 @@ def evaluate_arguments(arguments: dict) -> dict:
     return dict(arguments, x=data, y=None, sample_weight=None, batch_size=None)
 
 
-def predict_arguments(arguments: dict) -> dict:
-    """`predict`'s keyword arguments, with arrays as a pipeline."""
+def predict_arguments(arguments: dict, model=None) -> dict:
+    """`predict`'s keyword arguments, with arrays as a pipeline; checked against `model` if given."""
+    if model is not None:
+        _call_checks.check_predict(model, arguments)
     check_ends("predict", arguments, "steps")
     if arguments["steps"] is not None or not _arrays(arguments["x"]):
         return arguments

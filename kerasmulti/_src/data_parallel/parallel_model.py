@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import call_checks as _call_checks
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import epoch_order as _epoch_order
@@ -34,7 +35,6 @@ from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
-from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.data_parallel import replica_losses as _replica_losses
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import row_mixing as _row_mixing
@@ -44,7 +44,7 @@ from kerasmulti._src.data_parallel import template_access as _template_access
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 
 
-class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateAccess, keras.Model):
+class ParallelModel(_call_checks.CheckedPersistence, _template_access.TemplateAccess, keras.Model):
     """A data-parallel view of a template model; build it with `parallelize`.
 
     It is a `keras.Model`: compile, fit, evaluate, predict and call it as the
@@ -97,7 +97,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         """
         if self._custom is not None:
             return self._compile_custom(args, kwargs, jit_compile)
-        _loss_parts.check_reductions(kwargs.get("loss", args[1] if len(args) > 1 else None))
+        _call_checks.check_compile(args, kwargs)
         replicas = len(self._replica_devices)
         if replicas > 1:
             run_eagerly = kwargs.get("run_eagerly", False)
@@ -127,7 +127,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
 
     def _fed(self, feed, arguments: dict) -> dict:
         """`fit`/`evaluate`/`predict`'s arguments, arrays going through `feed`'s steady pipeline."""
-        return feed(arguments)
+        return feed(arguments, model=self)
 
     def _resolve_auto_jit_compile(self):
         # Keras' "auto" for a model never compiled (predict straight after

@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel.call_checks import check_input_keys
 
 
 def batched(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
@@ -356,6 +357,8 @@ def check_inputs(model, sample) -> None:
     if expected is None:
         return
     names = [t.name for t in inputs]
+    if isinstance(sample, dict):
+        check_input_keys("parallel_predict", model, sample, "data")
     if isinstance(sample, dict) and sorted(sample) == sorted(names):
         sample = [sample[name] for name in names]  # as Keras matches a dict to the inputs
     for index, (tensor, array) in enumerate(zip(inputs, tree.flatten(sample))):

@@ -40,6 +40,7 @@ from kerasmulti._src.keras_private import saving_lib
 from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
+from kerasmulti._src.utils.arguments import check_readable_file
 
 RECORD = "kerasmulti_devices"
 _original_save = saving_lib.save_model
@@ -115,21 +116,6 @@ def install() -> None:
     saving_lib.load_weights_only = _load_weights_only
 
 
-def _check_file(filepath) -> None:
-    """Says what is wrong with a local file Keras would call "not found" (it says so for a damaged one too)."""
-    if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
-        return
-    path = str(filepath)
-    if not os.path.exists(path):
-        raise ValueError(f"The model file '{path}' does not exist. Check the path. Received: filepath={path!r}")
-    if path.endswith(".keras") and os.path.isfile(path) and not zipfile.is_zipfile(path):
-        raise ValueError(
-            f"'{path}' is not a readable .keras file: a .keras file is a zip archive, and this one is not "
-            f"(cut short while copied or written, or another format renamed). Save the model again, or load "
-            f"the file it was copied from. Received: filepath={path!r}"
-        )
-
-
 def load_model(filepath, custom_objects: dict | None = None, compile: bool = True, safe_mode: bool = True) -> keras.Model:
     """Loads a model as `keras.models.load_model` does, with its placement back.
 
@@ -169,7 +155,7 @@ def load_model(filepath, custom_objects: dict | None = None, compile: bool = Tru
     print(kerasmulti.placement_summary(loaded))  # 'hidden' on the second device
     ```
     """
-    _check_file(filepath)
+    check_readable_file(filepath, "model")
     model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode)
     config = _saved_config(filepath)
     if config is None or RECORD not in config or type(model) not in REBUILDABLE:

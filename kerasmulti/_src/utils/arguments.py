@@ -1,9 +1,11 @@
-"""Checks of user arguments that need no TensorFlow (the launcher uses them too)."""
+"""Checks of user arguments that need no TensorFlow (the launcher uses them too): numbers, and the paths of files to read or write."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+import zipfile
 
 import numpy as np
 
@@ -38,4 +40,59 @@ def check_bool(value, caller: str, name: str, meaning: str) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(
             f"{caller}'s {name} must be True or False ({meaning}). Received: {name}={value!r}"
+        )
+
+
+def check_readable_file(filepath, kind: str, not_found: type[Exception] = ValueError) -> None:
+    """Says what is wrong with a local file Keras would call "not found", or fail to open with a low-level error.
+
+    `kind` names the file ("model", "weights"); `not_found` is the error a
+    missing one raises, as Keras raises it (`load_model` a ValueError,
+    `load_weights` a FileNotFoundError).
+    """
+    if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
+        return
+    path = str(filepath)
+    if not os.path.exists(path):
+        raise not_found(f"The {kind} file '{path}' does not exist. Check the path. Received: filepath={path!r}")
+    if not os.path.isfile(path):
+        return
+    if path.endswith(".keras") and not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"'{path}' is not a readable .keras file: a .keras file is a zip archive, and this one is not "
+            f"(cut short while copied or written, or another format renamed). Save the {kind} again, or load "
+            f"the file it was copied from. Received: filepath={path!r}"
+        )
+    if path.endswith(".h5") and not _opens_as_hdf5(path):
+        raise ValueError(
+            f"'{path}' is not a readable HDF5 file (cut short while copied or written, or another format "
+            f"renamed). Save the {kind} again, or load the file it was copied from. Received: filepath={path!r}"
+        )
+
+
+def _opens_as_hdf5(path: str) -> bool:
+    import h5py  # only where an .h5 file is read
+
+    try:
+        with h5py.File(path, "r"):
+            return True
+    except OSError:
+        return False
+
+
+def check_save_path(method: str, filepath, folder_allowed: bool = False) -> None:
+    """Refuses a local path that is a folder, or whose folder does not exist, before anything is written."""
+    if not isinstance(filepath, (str, os.PathLike)) or "://" in str(filepath):
+        return
+    path = str(filepath)
+    if os.path.isdir(path) and not folder_allowed:
+        raise IsADirectoryError(
+            f"{method}() cannot write '{path}': it is a folder. Pass a file name (in that folder, or "
+            f"elsewhere). Received: filepath={path!r}"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"{method}() cannot write '{path}': its folder '{os.path.dirname(path)}' does not exist. Create "
+            f"it first, os.makedirs({os.path.dirname(path)!r}, exist_ok=True). Received: filepath={path!r}"
         )

@@ -1,0 +1,395 @@
+"""Wrong arguments to a parallel model's calls, refused before anything runs.
+
+Keras checks much of what `compile`, `fit`, `evaluate` and `predict` are
+given only inside the traced step, where its error names a graph node (on a
+parallel model, one replica's thread) rather than the argument, and some of
+it not at all: `batch_size=0` trains with 32, a label past the last class
+is NaN on a GPU. These checks run first, on what is cheap and certain: the
+numbers, the arrays' rows, structure, shapes and dtypes against the
+template's inputs and output, labels against the classes of a sparse
+crossentropy and the rows of a first `Embedding`, and the paths `save` and
+`load_weights` are given. A `tf.data.Dataset` is judged by its
+`element_spec` alone, a generator or `PyDataset` not at all, and a template
+with steps of its own only by the numbers: what is not certain is Keras'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import tree
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import persistence as _persistence
+from kerasmulti._src.utils.arguments import check_readable_file, check_save_path, is_int, is_positive_int, is_real
+
+
+def check_compile(args, kwargs) -> None:
+    """Refuses an optimizer or loss name Keras does not know, and `steps_per_execution` below 1."""
+    arguments = inspect.signature(keras.Model.compile).bind(None, *args, **kwargs).arguments
+    loss, optimizer = arguments.get("loss"), arguments.get("optimizer", "rmsprop")
+    _loss_parts.check_reductions(loss)
+    if isinstance(optimizer, str):
+        try:
+            keras.optimizers.get(optimizer)
+        except ValueError:
+            raise ValueError(
+                f"compile() does not know the optimizer '{optimizer}'. Pass a Keras optimizer's name "
+                f"('adam', 'sgd', 'rmsprop', ...) or an optimizer object. Received: optimizer={optimizer!r}"
+            ) from None
+    for name in tree.flatten(loss):
+        if isinstance(name, str) and name.lower() not in ("crossentropy", "ce"):
+            try:
+                keras.losses.get(name)
+            except ValueError:
+                raise ValueError(
+                    f"compile() does not know the loss '{name}'. Pass a Keras loss's name ('mse', "
+                    f"'sparse_categorical_crossentropy', ...), a loss object or a function. Received: loss={name!r}"
+                ) from None
+    steps = arguments.get("steps_per_execution", 1)
+    if not is_positive_int(steps):
+        raise ValueError(
+            "compile() needs steps_per_execution as a positive int (batches per compiled call). "
+            f"Received: steps_per_execution={steps!r}"
+        )
+
+
+def check_fit(model, arguments: dict) -> None:
+    """Refuses what `fit` would fail on inside its step, or train wrongly on."""
+    _check_compiled("fit", model)
+    epochs = arguments["epochs"]
+    if not (is_int(epochs) and epochs >= 0):
+        raise ValueError(
+            "fit() needs epochs as an int: the index of the epoch to stop at (0 trains none). "
+            f"Received: epochs={epochs!r}"
+        )
+    split = arguments["validation_split"]
+    if split and not (is_real(split) and 0 <= split < 1):
+        raise ValueError(
+            "fit() needs validation_split as a fraction from 0 up to, but not including, 1: the share of "
+            f"the last rows kept for validation. Received: validation_split={split!r}"
+        )
+    _check_arrays("fit", model, arguments, "validation_batch_size")
+    validation = arguments["validation_data"]
+    if isinstance(validation, (tuple, list)) and 2 <= len(validation) <= 3:
+        val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(tuple(validation))
+        _check_data("fit", model, dict(x=val_x, y=val_y, sample_weight=val_weight), "validation_data")
+    classes = _classes(model)
+    for key in arguments["class_weight"] or {}:
+        if classes and is_int(key) and not 0 <= key < classes:
+            raise ValueError(
+                f"fit() got a class_weight for class {key}, but model '{model._template.name}' predicts "
+                f"{classes} classes (0 to {classes - 1}), so it would never apply. Give weights for classes "
+                f"0 to {classes - 1}. Received: class_weight keys={sorted(arguments['class_weight'])}"
+            )
+
+
+def check_evaluate(model, arguments: dict) -> None:
+    """Refuses what `evaluate` would fail on inside its step."""
+    _check_compiled("evaluate", model)
+    _check_arrays("evaluate", model, arguments)
+
+
+def check_predict(model, arguments: dict) -> None:
+    """Refuses what `predict` would fail on inside its step, or answer wrongly."""
+    _check_arrays("predict", model, arguments)
+
+
+def _check_compiled(method: str, model) -> None:
+    if not model.compiled:
+        raise ValueError(
+            f"{method}() needs a compiled model. Call compile() first, e.g. "
+            f"parallel.compile(optimizer='adam', loss='mse'). Received: compiled=False"
+        )
+
+
+def _check_arrays(method: str, model, arguments: dict, *sizes: str) -> None:
+    """The checks of `fit`, `evaluate` and `predict` alike: a dataset's rank, the batch sizes and arrays."""
+    data = {name: arguments.get(name) for name in ("x", "y", "sample_weight")}
+    if isinstance(data["x"], tf.data.Dataset):
+        _check_batched(method, model._template, data["x"].element_spec)
+    if not _numpy(data["x"]):
+        return
+    for name in ("batch_size", *sizes):
+        size = arguments[name]
+        if size is not None and not is_positive_int(size):
+            raise ValueError(
+                f"{method}() needs {name} as a positive int (rows per step) or None (32). Received: {name}={size!r}"
+            )
+    _check_data(method, model, data, "x")
+
+
+def _numpy(structure) -> bool:
+    leaves = tree.flatten(structure) if structure is not None else []
+    return bool(leaves) and all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves)
+
+
+def _check_data(method: str, model, data: dict, argument: str) -> None:
+    """Numpy `x`, `y` and `sample_weight` against each other and the template."""
+    present = {name: value for name, value in data.items() if _numpy(value)}
+    if "x" not in present:
+        return
+    rows = {name: [len(a) for a in tree.flatten(value)] for name, value in present.items()}
+    if len({n for counts in rows.values() for n in counts}) > 1:
+        sizes = ", ".join(f"{name} {'/'.join(map(str, counts))}" for name, counts in rows.items())
+        raise ValueError(
+            f"{method}() got {argument} arrays with different numbers of rows ({sizes}). Every array needs "
+            f"one row per sample: cut or complete them to the same length. Received: rows {sizes}"
+        )
+    if rows["x"][0] == 0:
+        raise ValueError(f"{method}() got {argument} arrays with no rows. Pass at least one row. Received: rows=0")
+    template = model._template
+    if model._custom is not None:
+        return  # its own steps read the data as they please
+    for name, tensor, array in _paired(method, template, data["x"], argument):
+        _check_input(method, template, name, tensor, array, argument)
+    if method != "predict":
+        _check_targets(method, model, data["x"], data["y"], argument)
+
+
+def _inputs(template) -> list | None:
+    """The template's input tensors, or None where it has none (a subclassed model)."""
+    try:
+        return list(template.inputs) or None
+    except (AttributeError, ValueError):
+        return None
+
+
+def _named_inputs(template) -> tuple[dict, bool] | None:
+    """The template's input tensors by the names a dict of inputs uses, and whether it takes a dict."""
+    inputs = _inputs(template)
+    if inputs is None:
+        return None
+    structure = inputs[0] if isinstance(template, keras.Sequential) else template.input
+    if isinstance(structure, dict):
+        return dict(structure), True
+    return {t.name: t for t in tree.flatten(structure)}, False
+
+
+def _paired(method: str, template, x, argument: str) -> list:
+    """(name, input tensor, array) for each input, as Keras matches `x` to them; refuses a missing one."""
+    named = _named_inputs(template)
+    if named is None:
+        return []
+    named, takes_dict = named
+    if isinstance(x, dict):
+        check_input_keys(method, template, x, argument)
+        return [(name, tensor, x[name]) for name, tensor in named.items()]
+    if takes_dict:
+        return []  # matched by sorted names where Keras can; Keras says where not
+    arrays = tree.flatten(x)
+    if len(arrays) != len(named):
+        raise ValueError(
+            f"{method}() got {len(arrays)} arrays as {argument}, but model '{template.name}' takes "
+            f"{len(named)} input(s) ({', '.join(named)}). Pass one array per input, in that order (or a "
+            f"dict by name). Received: {argument} with {len(arrays)} arrays"
+        )
+    return [(name, tensor, array) for (name, tensor), array in zip(named.items(), arrays)]
+
+
+def check_input_keys(method: str, template, x: dict, argument: str = "x") -> None:
+    """Refuses a dict of inputs without an array for each of the template's inputs."""
+    named = _named_inputs(template)
+    missing = [name for name in named[0] if name not in x] if named else []
+    if missing:
+        raise ValueError(
+            f"{method}() got {argument} as a dict without the input(s) {missing} of model "
+            f"'{template.name}', which takes {list(named[0])}. Name each array after its input "
+            f"(Input(name=...)). Received: {argument} keys={sorted(x, key=str)}"
+        )
+
+
+def _check_input(method: str, template, name: str, tensor, array: np.ndarray, argument: str) -> None:
+    if array.dtype.kind in "US" and tensor.dtype != "string":
+        raise ValueError(
+            f"{method}() got text as {argument} for input '{name}' of model '{template.name}', which takes "
+            f"{tensor.dtype} numbers. Convert the text to numbers first (or start the model with a "
+            f"StringLookup or TextVectorization layer). Received: dtype={array.dtype}"
+        )
+    expected, got = tuple(tensor.shape[1:]), array.shape[1:]
+    if len(got) != len(expected):
+        # Keras squeezes or adds a last axis of 1 itself.
+        fits = (len(got) == len(expected) + 1 and got[-1:] == (1,)) or (
+            len(got) == len(expected) - 1 and expected[-1:] == (1,)
+        )
+    else:
+        fits = all(e is None or e == g for e, g in zip(expected, got))
+    if not fits:
+        raise ValueError(
+            f"{method}() got {argument} rows of shape {got} for input '{name}' of model '{template.name}', "
+            f"which takes rows of shape {expected}. Reshape the data, or build the model for this shape. "
+            f"Received: {argument}.shape={array.shape}"
+        )
+    if np.issubdtype(array.dtype, np.integer) and array.size:
+        _check_indices(method, template, tensor, array, argument)
+
+
+def _check_indices(method: str, template, tensor, array: np.ndarray, argument: str) -> None:
+    """Refuses indices past the rows of an `Embedding` that reads the input as given."""
+    for layer in template.layers:
+        reads = any(
+            [id(t) for t in node.input_tensors] == [id(tensor)] for node in keras_private.inbound_nodes(layer)
+        )
+        if not (isinstance(layer, keras.layers.Embedding) and reads):
+            continue
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= layer.input_dim:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"{method}() got index {bad} in {argument} for Embedding '{layer.name}' of model "
+                f"'{template.name}', which has rows 0 to {layer.input_dim - 1}: the lookup fails inside the "
+                f"step on a CPU and gives zeros on a GPU. Map such values to a reserved index, or raise the "
+                f"layer's input_dim. Received: {argument} values {low} to {high}"
+            )
+
+
+def _output(model):
+    """The template's one output tensor, or None (several, or a subclassed model)."""
+    try:
+        outputs = model._template.outputs
+    except (AttributeError, ValueError):
+        return None
+    return outputs[0] if outputs and len(outputs) == 1 else None
+
+
+def _classes(model) -> int | None:
+    """The classes a one-output template predicts (2 for one unit), or None where unknown."""
+    output = _output(model)
+    units = output.shape[-1] if output is not None and len(output.shape) > 1 else None
+    return None if units is None else max(int(units), 2)
+
+
+def _check_targets(method: str, model, x, y, argument: str) -> None:
+    loss = keras_private.compile_arguments(model).get("loss")
+    if not any(item is not None for item in tree.flatten(loss)):
+        return  # no compiled loss: the model adds its own, and reads no y
+    if y is None:
+        if argument == "x":
+            raise ValueError(
+                f"{method}() got x without y, but model '{model._template.name}' is compiled with a loss, "
+                "which compares predictions with targets. Pass y, or compile with loss=None for a model "
+                "that adds its own losses. Received: y=None"
+            )
+        return
+    if isinstance(y, dict) and not isinstance(loss, (list, tuple)):
+        names = list(model.output_names)
+        needed = [n for n in names if loss.get(n) is not None] if isinstance(loss, dict) else names
+        missing = [n for n in needed if n not in y]
+        if missing:
+            raise ValueError(
+                f"{method}() got targets for {sorted(y)} but not for {missing}, output(s) of model "
+                f"'{model._template.name}' with a loss. Pass a target for each output with a loss, or "
+                f"compile without a loss for it. Received: y keys={sorted(y)}"
+            )
+    output, builtin = _output(model), _builtin_loss(loss)
+    if output is None or builtin is None or not isinstance(y, np.ndarray):
+        return
+    _check_target_shape(method, model, y, output, argument)
+    if builtin is keras.losses.sparse_categorical_crossentropy or isinstance(
+        builtin, keras.losses.SparseCategoricalCrossentropy
+    ):
+        _check_labels(method, model, y, output, builtin, argument)
+
+
+def _builtin_loss(loss):
+    """The one Keras loss `loss` names or is, or None (the user's own, several, or "crossentropy")."""
+    if isinstance(loss, (list, tuple, dict)):
+        loss = tree.flatten(loss)[0] if len(tree.flatten(loss)) == 1 else None
+    if isinstance(loss, str):
+        loss = None if loss.lower() in ("crossentropy", "ce") else keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        owners = [type(loss), getattr(loss, "fn", type(loss))]  # a wrapped function is the user's own
+    else:
+        owners = [loss]
+    return loss if loss is not None and all(str(getattr(o, "__module__", "")).startswith("keras.") for o in owners) else None
+
+
+def _check_target_shape(method: str, model, y: np.ndarray, output, argument: str) -> None:
+    """A Keras loss compares targets and predictions element by element, the last axis broadcast from 1."""
+    target, predicted = y.shape[-1] if y.ndim > 1 else 1, output.shape[-1]
+    if y.ndim == len(output.shape) and predicted is not None and 1 not in (target, predicted) and target != predicted:
+        name = "y" if argument == "x" else argument
+        raise ValueError(
+            f"{method}() got targets with {target} values per row for model '{model._template.name}', whose "
+            f"output has {predicted}: its loss compares them value by value. Pass targets of the output's "
+            f"shape {tuple(output.shape[1:])}, or give the last layer {target} units. Received: {name}.shape={y.shape}"
+        )
+
+
+def _check_labels(method: str, model, y: np.ndarray, output, loss, argument: str) -> None:
+    """Sparse crossentropy reads the prediction at each label: one past the classes is an error on a CPU, NaN on a GPU."""
+    classes = output.shape[-1]
+    if classes is None or y.dtype.kind not in "iuf" or not y.size:
+        return
+    ignored = None if callable(loss) and not isinstance(loss, keras.losses.Loss) else loss.get_config().get("ignore_class")
+    labels = y[y != ignored] if ignored is not None else y
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        name = "y" if argument == "x" else argument
+        low, high = labels.min(), labels.max()
+        raise ValueError(
+            f"{method}() got labels from {low:g} to {high:g} for model '{model._template.name}', whose output "
+            f"has {classes} classes (0 to {classes - 1}): sparse categorical crossentropy fails inside the step "
+            f"on a CPU and gives NaN on a GPU for a label outside them. Map the labels to 0..{classes - 1}, or "
+            f"give the last layer {int(high) + 1} units. Received: {name} labels {low:g} to {high:g}"
+        )
+
+
+def _check_batched(method: str, template, spec) -> None:
+    """Refuses a dataset of single rows for a model with one input: Keras would read each row as a batch."""
+    inputs = _inputs(template)
+    if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
+        spec = spec[0]
+    if not inputs or len(inputs) != 1 or not isinstance(spec, tf.TensorSpec):
+        return
+    row = tuple(inputs[0].shape[1:])
+    # With a last axis of 1, a batch of rows Keras squeezes can have the same shape.
+    if row and row[-1] != 1 and tuple(spec.shape) == row:
+        raise ValueError(
+            f"{method}() got a tf.data.Dataset of single rows: its elements have shape {row}, one row of model "
+            f"'{template.name}''s input, which takes batches of them. Batch it first: dataset.batch(32). "
+            f"Received: element shape={tuple(spec.shape)}"
+        )
+
+
+class CheckedPersistence(_persistence.TemplatePersistence):
+    """`save`, `save_weights` and `load_weights` with their paths checked first."""
+
+    def save(self, filepath, *args, **kwargs):
+        zipped = kwargs.get("zipped", args[1] if len(args) > 1 else None)
+        check_save_path("save", filepath, folder_allowed=zipped is False)
+        return super().save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        check_save_path("save_weights", filepath)
+        return super().save_weights(filepath, *args, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        check_readable_file(filepath, "weights", not_found=FileNotFoundError)
+        with _unchanged_if_refused(self._template, filepath):
+            return super().load_weights(filepath, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _unchanged_if_refused(template, filepath):
+    """Puts the weights back when Keras refuses a file after loading the layers that fit it."""
+    optimizer = getattr(template, "optimizer", None)
+    variables = list(template.variables) + (list(optimizer.variables) if optimizer is not None else [])
+    values = [v.numpy() for v in variables]
+    try:
+        yield
+    except Exception as error:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
+            raise
+        raise ValueError(
+            f"load_weights() could not load '{filepath}' into model '{template.name}': the file's weights do "
+            "not fit this model's (a file saved from another model, or the model changed since). The model's "
+            "weights are unchanged. Load a file saved from this model, or pass skip_mismatch=True to load the "
+            f"layers that fit. Received: filepath={str(filepath)!r}"
+        ) from error
