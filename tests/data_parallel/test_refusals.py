@@ -7,6 +7,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kerasmulti
 
@@ -172,6 +173,62 @@ def test_a_model_that_mixes_rows_is_warned_about_at_its_first_parallel_call():
         warnings.simplefilter("error")
         parallel.fit(x, np.zeros((8, 2)), verbose=0)
         kerasmulti.parallelize(mixing, gpus=1).predict(x, verbose=0)  # one device: nothing to split
+
+
+class _CentredInTraining(keras.layers.Layer):
+    """Subtracts the batch mean in training only, and counts its training calls in a variable."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, t, training=None):
+        if not training:
+            return t
+        self.calls.assign_add(1.0)
+        return t - keras.ops.mean(t, axis=0, keepdims=True)
+
+
+def test_a_model_that_mixes_rows_behind_a_dataset_or_only_in_training_is_warned_about_too():
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    inputs = keras.Input((3,))
+    centred = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(inputs)
+    mixing = keras.Model(inputs, keras.layers.Dense(2)(centred), name="mixing")
+    # A dataset is never read for the probe: made-up rows show the mixing.
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    with pytest.warns(UserWarning, match=r"outputs of 'mixing' for a row depend on the other rows.*Received: relative difference="):
+        kerasmulti.parallelize(mixing, gpus=2).predict(dataset, verbose=0)
+    # Mixing only in training: fit probes in training mode, and puts back what that moved.
+    layer = _CentredInTraining()
+    trains_mixed = keras.Model(inputs, keras.layers.Dense(2)(layer(inputs)), name="trains_mixed")
+    parallel = kerasmulti.parallelize(trains_mixed, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.predict(x, verbose=0)  # inference mode: rows stay apart
+    parallel = kerasmulti.parallelize(trains_mixed, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match=r"'trains_mixed'.*predicted in training mode whole and in two halves"):
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    # The probe's training calls were undone: the same fit again (no probe: once
+    # per parallel model) moves the layer's counter as far as the first did.
+    probed_fit = float(layer.calls.numpy())
+    layer.calls.assign(0.0)
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert probed_fit == float(layer.calls.numpy()) > 0
+
+
+@pytest.mark.parametrize("layer", ["batchnorm", "dropout"])
+def test_layers_meant_to_differ_in_training_raise_no_row_mixing_warning(layer):
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    middle = keras.layers.BatchNormalization() if layer == "batchnorm" else keras.layers.Dropout(0.5)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), middle, keras.layers.Dense(2)])
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, shuffle=False, verbose=0)
 
 
 @pytest.mark.parametrize("layer", ["MixUp", "CutMix"])

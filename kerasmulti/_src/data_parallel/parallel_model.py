@@ -73,7 +73,7 @@ class ParallelModel(_call_checks.CheckedPersistence, _template_access.TemplateAc
         self._batchnorm = _sync_batchnorm.batchnorm_layers(template)
         # The template's own steps, where it has some (`custom_steps.py`).
         self._custom = _custom_steps.CustomSteps(self) if self._runs_custom_steps() else None
-        self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict on arrays
+        self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
         self._fit_calls, self._input_order = 0, None  # `epoch_order`: shuffled arrays a backup resumes
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
@@ -140,7 +140,7 @@ class ParallelModel(_call_checks.CheckedPersistence, _template_access.TemplateAc
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""
         self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
-        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
         _monitor.attach(self, arguments.get("callbacks"))
         self._fit_calls += 1
         seed = _epoch_order.seed_for(arguments.get("callbacks"), self._fit_calls)

@@ -5,54 +5,66 @@ depends on that row alone (BatchNormalization aside, which replicas
 synchronise). A layer that computes statistics over the batch, or compares
 rows, sees only its replica's sub-batch. Such layers cannot be recognised by
 their type, so the first `fit`, `evaluate` or `predict` of a parallel model
-on arrays runs the template on its first few rows, whole and split in two,
-in inference mode, and warns if the outputs differ: one small forward pass
-more, once per parallel model.
+runs the template on a few rows, whole and split in two, and warns if the
+outputs differ: a few small forward passes more, once per parallel model.
+
+The rows are the first few of `x` where `x` is arrays; otherwise (a
+`tf.data.Dataset`, a generator) rows made up from the template's inputs,
+which any model whose rows stay apart maps alike whole and split, so the
+input itself is never read. `fit` probes in training mode too, where a layer
+may mix rows only while training, unless the template holds layers that are
+meant to differ there (BatchNormalization, synchronised across replicas;
+Dropout and other seeded layers, random); the variables such a call moves
+(a layer's running statistics) are put back.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import keras
 import numpy as np
 from keras import tree
+
+from kerasmulti._src import keras_private
 
 PROBE_ROWS = 4
 # Relative to the outputs' size: float sums in another order differ by about 1e-7.
 TOLERANCE = 1e-3
+MADE_UP_LENGTH = 3  # for an input axis of unknown length
 
 
-def probe_once(parallel, x, stacklevel: int) -> None:
-    """Warns if `parallel`'s template mixes the rows of `x`'s first few; once per parallel model."""
+def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
+    """Warns if `parallel`'s template mixes the rows of a batch; once per parallel model.
+
+    With `training`, also in training mode (see the module's docstring).
+    """
     if parallel._rows_probed or len(parallel.replica_devices) < 2 or parallel._custom is not None:
         return
     parallel._rows_probed = True
+    template = parallel._template
     leaves = tree.flatten(x) if x is not None else []
-    if not leaves or not all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves) or len(leaves[0]) < 2:
-        return  # only arrays can be read again at no cost
-    rows = min(len(leaves[0]), PROBE_ROWS)
-    half = rows // 2
-
-    def run(begin, end):
-        return [np.asarray(o) for o in tree.flatten(parallel._template(tree.map_structure(lambda a: a[begin:end], x), training=False))]
-
+    if leaves and all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves):
+        if len(leaves[0]) < 2:
+            return
+        rows = min(len(leaves[0]), PROBE_ROWS)
+    else:
+        rows, x = PROBE_ROWS, _made_up_rows(template, PROBE_ROWS)
+        if x is None:
+            return
+    modes = [False] + ([True] if training and _alike_in_training(template) else [])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the real call gives Keras' warnings, once
-            whole, first, second = run(0, rows), run(0, half), run(half, rows)
+            differences = [_difference(template, x, rows, mode) for mode in modes]
     except Exception:
         return  # the call itself will say what is wrong
-    difference = 0.0
-    for w, a, b in zip(whole, first, second):
-        one_row_each = w.shape[:1] == (rows,) and a.shape[:1] == (half,) and b.shape[:1] == (rows - half,)
-        if not np.issubdtype(w.dtype, np.floating) or not one_row_each or not a.shape[1:] == b.shape[1:] == w.shape[1:]:
-            continue  # not one output row per input row: the parallel call will refuse it
-        scale = float(np.max(np.abs(w))) + 1e-6
-        difference = max(difference, float(np.max(np.abs(w - np.concatenate([a, b])))) / scale)
+    difference = max(differences)
     if difference > TOLERANCE:
+        mode = "in training mode " if differences[0] <= TOLERANCE else ""
         warnings.warn(
-            f"The outputs of '{parallel._template.name}' for a row depend on the other rows of its batch: "
-            f"its first {rows} rows, predicted whole and in two halves, differ by {difference:.1e} of the "
+            f"The outputs of '{template.name}' for a row depend on the other rows of its batch: "
+            f"{rows} rows, predicted {mode}whole and in two halves, differ by {difference:.1e} of the "
             "outputs' size. On several devices each replica sees only its sub-batch, so the results will "
             "differ from one device's. A layer that computes batch statistics of its own or compares rows "
             "does this: run such a model on one device, or move that computation out of the model "
@@ -60,3 +72,59 @@ def probe_once(parallel, x, stacklevel: int) -> None:
             f"Received: relative difference={difference:.1e}",
             stacklevel=stacklevel + 1,
         )
+
+
+def _difference(template, x, rows: int, training: bool) -> float:
+    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves."""
+    half = rows // 2
+    moved = list(template.non_trainable_variables) if training else []
+    kept = [v.numpy() for v in moved]
+
+    def run(begin, end):
+        part = tree.map_structure(lambda a: a[begin:end], x)
+        return [np.asarray(o) for o in tree.flatten(template(part, training=training))]
+
+    try:
+        whole, first, second = run(0, rows), run(0, half), run(half, rows)
+    finally:
+        for variable, value in zip(moved, kept):
+            variable.assign(value)
+    difference = 0.0
+    for w, a, b in zip(whole, first, second):
+        one_row_each = w.shape[:1] == (rows,) and a.shape[:1] == (half,) and b.shape[:1] == (rows - half,)
+        if not np.issubdtype(w.dtype, np.floating) or not one_row_each or not a.shape[1:] == b.shape[1:] == w.shape[1:]:
+            continue  # not one output row per input row: the parallel call will refuse it
+        scale = float(np.max(np.abs(w))) + 1e-6
+        difference = max(difference, float(np.max(np.abs(w - np.concatenate([a, b])))) / scale)
+    return difference
+
+
+def _made_up_rows(template, rows: int):
+    """Rows for the template's inputs (normal floats, integers 0 and 1), or None where it has none known."""
+    try:
+        structure = template.input
+    except (AttributeError, ValueError):
+        return None  # a subclassed model: its inputs are what it is called with
+    rng = np.random.default_rng(0)  # its own generator: the user's random state is left alone
+
+    def make(tensor):
+        shape = (rows,) + tuple(MADE_UP_LENGTH if d is None else d for d in tensor.shape[1:])
+        dtype = np.dtype(keras.backend.standardize_dtype(tensor.dtype))
+        if dtype.kind == "f":
+            return rng.standard_normal(shape).astype(dtype)
+        if dtype.kind in "iub":
+            return rng.integers(0, 2, shape).astype(dtype)
+        raise TypeError(f"no rows made up for {dtype}")
+
+    try:
+        return tree.map_structure(make, structure)
+    except TypeError:
+        return None  # text inputs: not probed
+
+
+def _alike_in_training(template) -> bool:
+    """Whether the template's rows would map alike whole and split in training mode, if rows stay apart."""
+    for layer in keras_private.flatten_layers(template):
+        if isinstance(layer, keras.layers.BatchNormalization) or keras_private.seed_generators(layer):
+            return False
+    return True
