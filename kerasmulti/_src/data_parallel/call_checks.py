@@ -387,9 +387,15 @@ def _unchanged_if_refused(template, filepath):
             variable.assign(value)
         if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
             raise
+        reason = keras_load_reason(error)
         raise ValueError(
             f"load_weights() could not load '{filepath}' into model '{template.name}': the file's weights do "
-            "not fit this model's (a file saved from another model, or the model changed since). The model's "
-            "weights are unchanged. Load a file saved from this model, or pass skip_mismatch=True to load the "
-            f"layers that fit. Received: filepath={str(filepath)!r}"
+            f"not fit this model's (a file saved from another model, or the model changed since; {reason}). "
+            "The model's weights are unchanged. Load a file saved from this model, or pass skip_mismatch=True "
+            f"to load the layers that fit. Received: filepath={str(filepath)!r}"
         ) from error
+
+
+def keras_load_reason(error: Exception) -> str:
+    """Keras' reason for refusing a weights file, without the dump of values its message ends with."""
+    return " ".join(str(error).split("Target variable:")[0].split())[:400]
