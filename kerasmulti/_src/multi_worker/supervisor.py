@@ -182,7 +182,9 @@ def supervise(processes, pumps) -> int | None:
             raise SystemExit(REQUEUE_EXIT_CODE) from None
         raise
     finally:
-        _stop(processes)
+        # A worker that found its port taken: the cluster never formed, no peer trains.
+        port_taken = failed is not None and processes[failed].returncode == EXIT_PORT_TAKEN
+        _stop(processes, grace=UNFORMED_GRACE_SECONDS if port_taken else STOP_GRACE_SECONDS)
         for pump in pumps:
             pump.join(timeout=5)
     return failed
@@ -236,16 +238,19 @@ def _closed_at_exit(process) -> int:
 # How long stopped workers get after SIGTERM before SIGKILL: a worker
 # training with ParallelBackupAndRestore ends its step and backs it up.
 STOP_GRACE_SECONDS = 30
+# ... and before the cluster formed, where a worker waits for its peers inside
+# TensorFlow, out of reach of SIGTERM, with nothing to back up.
+UNFORMED_GRACE_SECONDS = 2
 
 
-def _stop(processes) -> None:
+def _stop(processes, grace: float | None = None) -> None:
     for p in processes:
         if p.poll() is None:
             p.terminate()
     try:
         for p in processes:
             try:
-                p.wait(timeout=STOP_GRACE_SECONDS)
+                p.wait(timeout=STOP_GRACE_SECONDS if grace is None else grace)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
