@@ -35,7 +35,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.callbacks import preemption as _preemption
 from kerasmulti._src.callbacks import training_state as _training_state
 from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
-from kerasmulti._src.data_parallel import call_checks as _call_checks
+from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.utils import arguments as _arguments
 from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src.utils import fault_points as _fault_points
@@ -258,7 +258,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         except ValueError as error:
             # Keras' own reason (the parallel model's load_weights wraps it).
             keras_error = error.__cause__ if isinstance(error.__cause__, ValueError) else error
-            self._refuse(weights, _call_checks.keras_load_reason(keras_error))
+            self._refuse(weights, _persistence.keras_load_reason(keras_error))
         self._weights_read = weights
         if state is not None:
             self._fit_state(_training_state.seed_states(self.model), state["seeds"], "seed states", weights)

@@ -7,15 +7,14 @@ it not at all: `batch_size=0` trains with 32, a label past the last class
 is NaN on a GPU. These checks run first, on what is cheap and certain: the
 numbers, the arrays' rows, structure, shapes and dtypes against the
 template's inputs and output, labels against the classes of a sparse
-crossentropy and the rows of a first `Embedding`, and the paths `save` and
-`load_weights` are given. A `tf.data.Dataset` is judged by its
+crossentropy and the rows of a first `Embedding` (the paths `save` and
+`load_weights` are given: `persistence`). A `tf.data.Dataset` is judged by its
 `element_spec` alone, a generator or `PyDataset` not at all, and a template
 with steps of its own only by the numbers: what is not certain is Keras'.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import keras
@@ -25,8 +24,7 @@ from keras import tree
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
-from kerasmulti._src.data_parallel import persistence as _persistence
-from kerasmulti._src.utils.arguments import check_readable_file, check_save_path, is_int, is_positive_int, is_real
+from kerasmulti._src.utils.arguments import is_int, is_positive_int, is_real
 
 
 def check_compile(args, kwargs) -> None:
@@ -354,48 +352,3 @@ def _check_batched(method: str, template, spec) -> None:
             f"'{template.name}''s input, which takes batches of them. Batch it first: dataset.batch(32). "
             f"Received: element shape={tuple(spec.shape)}"
         )
-
-
-class CheckedPersistence(_persistence.TemplatePersistence):
-    """`save`, `save_weights` and `load_weights` with their paths checked first."""
-
-    def save(self, filepath, *args, **kwargs):
-        zipped = kwargs.get("zipped", args[1] if len(args) > 1 else None)
-        check_save_path("save", filepath, folder_allowed=zipped is False)
-        return super().save(filepath, *args, **kwargs)
-
-    def save_weights(self, filepath, *args, **kwargs):
-        check_save_path("save_weights", filepath)
-        return super().save_weights(filepath, *args, **kwargs)
-
-    def load_weights(self, filepath, *args, **kwargs):
-        check_readable_file(filepath, "weights", not_found=FileNotFoundError)
-        with _unchanged_if_refused(self._template, filepath):
-            return super().load_weights(filepath, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _unchanged_if_refused(template, filepath):
-    """Puts the weights back when Keras refuses a file after loading the layers that fit it."""
-    optimizer = getattr(template, "optimizer", None)
-    variables = list(template.variables) + (list(optimizer.variables) if optimizer is not None else [])
-    values = [v.numpy() for v in variables]
-    try:
-        yield
-    except Exception as error:
-        for variable, value in zip(variables, values):
-            variable.assign(value)
-        if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
-            raise
-        reason = keras_load_reason(error)
-        raise ValueError(
-            f"load_weights() could not load '{filepath}' into model '{template.name}': the file's weights do "
-            f"not fit this model's (a file saved from another model, or the model changed since; {reason}). "
-            "The model's weights are unchanged. Load a file saved from this model, or pass skip_mismatch=True "
-            f"to load the layers that fit. Received: filepath={str(filepath)!r}"
-        ) from error
-
-
-def keras_load_reason(error: Exception) -> str:
-    """Keras' reason for refusing a weights file, without the dump of values its message ends with."""
-    return " ".join(str(error).split("Target variable:")[0].split())[:400]

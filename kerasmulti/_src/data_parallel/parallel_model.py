@@ -35,6 +35,7 @@ from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
+from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.data_parallel import replica_losses as _replica_losses
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import row_mixing as _row_mixing
@@ -44,7 +45,7 @@ from kerasmulti._src.data_parallel import template_access as _template_access
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 
 
-class ParallelModel(_call_checks.CheckedPersistence, _template_access.TemplateAccess, keras.Model):
+class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateAccess, keras.Model):
     """A data-parallel view of a template model; build it with `parallelize`.
 
     It is a `keras.Model`: compile, fit, evaluate, predict and call it as the

@@ -2,10 +2,16 @@
 
 A parallel model owns no weights, so every file it writes is the template's,
 loadable with plain Keras, and loading fills the template, which the
-parallel model trains.
+parallel model trains. The paths are checked first (a missing folder, a
+folder where a file goes, a damaged file), and weights Keras refuses after
+loading the layers that fit are put back as they were.
 """
 
 from __future__ import annotations
+
+import contextlib
+
+from kerasmulti._src.utils.arguments import check_readable_file, check_save_path
 
 
 class TemplatePersistence:
@@ -22,17 +28,22 @@ class TemplatePersistence:
         (`include_optimizer=False`): Keras' legacy loader cannot read back
         some compile settings, such as `loss="mse"`.
         """
+        zipped = kwargs.get("zipped", args[1] if len(args) > 1 else None)
+        check_save_path("save", filepath, folder_allowed=zipped is False)
         if str(filepath).endswith(".h5"):
             kwargs.setdefault("include_optimizer", False)
         return self._template.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the template's weights (see `keras.Model.save_weights`)."""
+        check_save_path("save_weights", filepath)
         return self._template.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
-        """Loads weights into the template (see `keras.Model.load_weights`)."""
-        return self._template.load_weights(filepath, *args, **kwargs)
+        """Loads weights into the template (see `keras.Model.load_weights`); a file that does not fit changes nothing."""
+        check_readable_file(filepath, "weights", not_found=FileNotFoundError)
+        with _unchanged_if_refused(self._template, filepath):
+            return self._template.load_weights(filepath, *args, **kwargs)
 
     def get_config(self):
         return self._template.get_config()
@@ -44,3 +55,29 @@ class TemplatePersistence:
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _unchanged_if_refused(template, filepath):
+    """Puts the weights back when Keras refuses a file after loading the layers that fit it."""
+    optimizer = getattr(template, "optimizer", None)
+    variables = list(template.variables) + (list(optimizer.variables) if optimizer is not None else [])
+    values = [v.numpy() for v in variables]
+    try:
+        yield
+    except Exception as error:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
+            raise
+        raise ValueError(
+            f"load_weights() could not load '{filepath}' into model '{template.name}': the file's weights do "
+            f"not fit this model's (a file saved from another model, or the model changed since; "
+            f"{keras_load_reason(error)}). The model's weights are unchanged. Load a file saved from this model, "
+            f"or pass skip_mismatch=True to load the layers that fit. Received: filepath={str(filepath)!r}"
+        ) from error
+
+
+def keras_load_reason(error: Exception) -> str:
+    """Keras' reason for refusing a weights file, without the dump of values its message ends with."""
+    return " ".join(str(error).split("Target variable:")[0].split())[:400]
