@@ -111,7 +111,7 @@ def _check_arrays(method: str, model, arguments: dict, *sizes: str) -> None:
     data = {name: arguments.get(name) for name in ("x", "y", "sample_weight")}
     if isinstance(data["x"], tf.data.Dataset):
         _check_batched(method, model._template, data["x"].element_spec)
-    if not _numpy(data["x"]):
+    if not numpy_arrays(data["x"]):
         return
     for name in ("batch_size", *sizes):
         size = arguments[name]
@@ -122,14 +122,15 @@ def _check_arrays(method: str, model, arguments: dict, *sizes: str) -> None:
     _check_data(method, model, data, "x")
 
 
-def _numpy(structure) -> bool:
+def numpy_arrays(structure) -> bool:
+    """Whether `structure` is numpy arrays with a row axis, and nothing else."""
     leaves = tree.flatten(structure) if structure is not None else []
     return bool(leaves) and all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves)
 
 
 def _check_data(method: str, model, data: dict, argument: str) -> None:
     """Numpy `x`, `y` and `sample_weight` against each other and the template."""
-    present = {name: value for name, value in data.items() if _numpy(value)}
+    present = {name: value for name, value in data.items() if numpy_arrays(value)}
     if "x" not in present:
         return
     rows = {name: [len(a) for a in tree.flatten(value)] for name, value in present.items()}

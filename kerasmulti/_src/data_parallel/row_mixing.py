@@ -27,6 +27,7 @@ import numpy as np
 from keras import tree
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.call_checks import numpy_arrays
 
 PROBE_ROWS = 4
 # Relative to the outputs' size: float sums in another order differ by about 1e-7.
@@ -43,11 +44,11 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         return
     parallel._rows_probed = True
     template = parallel._template
-    leaves = tree.flatten(x) if x is not None else []
-    if leaves and all(isinstance(a, np.ndarray) and a.ndim > 0 for a in leaves):
-        if len(leaves[0]) < 2:
+    if numpy_arrays(x):
+        count = len(tree.flatten(x)[0])
+        if count < 2:
             return
-        rows = min(len(leaves[0]), PROBE_ROWS)
+        rows = min(count, PROBE_ROWS)
     else:
         rows, x = PROBE_ROWS, _made_up_rows(template, PROBE_ROWS)
         if x is None:
