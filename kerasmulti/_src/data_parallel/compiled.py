@@ -34,12 +34,15 @@ advanced state is kept.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import packing as _packing
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
@@ -133,29 +136,58 @@ class CompiledReplicas:
         self._template = model._template
         self._step = tf.function(self._replica, jit_compile=True, reduce_retracing=True)
         self._needs_counts = {}
-        seed_states = [
-            generator.state
-            for layer in keras_private.flatten_layers(self._template)
+        self._reads = None  # `_prepare`: the template may be built only by the first step
+        self._connected = None  # which variables the loss reaches, found when a training step is traced
+
+    def _prepare(self):
+        """Lays out the template's variables (again, if they changed) for the packed step."""
+        template = self._template
+        trainable, state = template.trainable_variables, template.non_trainable_variables
+        variables = trainable + state
+        if self._reads is not None and [id(v) for v in self._reads.variables] == [id(v) for v in variables]:
+            return
+        self._reads = _packing.DeviceReads(variables)
+        self._trainable = _packing.Layout(trainable)
+        self._state = _packing.Layout(state)
+        seed_ids = {
+            id(generator.state)
+            for layer in keras_private.flatten_layers(template)
             for generator in keras_private.seed_generators(layer)
-        ]
-        seed_ids = {id(state) for state in seed_states}
-        self._is_seed = [id(v) in seed_ids for v in self._template.non_trainable_variables]
+        }
+        self._is_seed = [id(v) in seed_ids for v in state]
+        optimizer = self._model.optimizer
+        everything = variables + (list(optimizer.variables) if optimizer is not None else [])
+        devices = {_packing.device_of(v) for v in everything}
+        if len(devices) == 1:
+            self._update_device = devices.pop()
+            self._update = tf.function(self._apply, jit_compile=True)
+        else:
+            # XLA reads a variable only on its own device: the update runs op by op.
+            warnings.warn(
+                "The model's variables live on several devices, so its weight update runs "
+                "uncompiled (slower). Build the model under one device. "
+                f"Received: devices={sorted(devices)}",
+                stacklevel=2,
+            )
+            self._update_device, self._update = None, self._apply
 
     def forward(self, devices, pieces, shards, shares, batch):
         """Every replica's inference forward pass (`training=False`); their outputs."""
         pieces = [(x, None, None) for x in pieces]
-        results = self._call_all(devices, self._arguments(pieces, shards, shares, batch, False, 1.0), None, False, "forward")
+        results = self._call_all(devices, self._arguments(pieces, shards, shares, batch, 1.0), None, False, "forward")
         return [_with_masks(r["y_pred"], r["masks"]) for r in results]
 
     def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred, timing=None):
-        """Every replica's step; returns `(y_pred, loss, gradients)` per replica.
+        """Every replica's step; returns `(y_pred, loss)` per replica.
 
-        The loss trackers' values go to `deferred` (`loss_metrics.DeferredLossMetrics`),
-        the replicas' busy times to `timing` (`balance.StepTiming`), if given.
-        Non-trainable updates (BatchNormalization, seed states) are assigned
-        to the template after a training step.
+        A training step also applies the summed gradients with the model's
+        optimizer and assigns the non-trainable updates (BatchNormalization,
+        seed states) to the template, in one XLA call on the variables'
+        device. The loss trackers' values go to `deferred`
+        (`loss_metrics.DeferredLossMetrics`), the replicas' busy times to
+        `timing` (`balance.StepTiming`), if given.
         """
-        arguments = self._arguments(pieces, shards, shares, batch, training, loss_scale)
+        arguments = self._arguments(pieces, shards, shares, batch, loss_scale)
         key = (training, pieces[0][2] is None)
         self._deferred = deferred
         if key not in self._needs_counts:
@@ -173,22 +205,22 @@ class CompiledReplicas:
         for i, r in enumerate(results):
             deferred.put(i, r["tracked"])
         if training:
-            self._assign_state(results, shares)
-        return [(_with_masks(r["y_pred"], r["masks"]), r["loss"], r["gradients"]) for r in results]
+            shares = [tf.cast(s, tf.float32) for s in shares]
+            with tf.device(self._update_device):
+                self._update([r["gradients"] for r in results], [r["state"] for r in results], shares)
+        return [(_with_masks(r["y_pred"], r["masks"]), r["loss"]) for r in results]
 
-    def _arguments(self, pieces, shards, shares, batch, training, loss_scale):
-        """Each replica's arguments: the variables' values, its rows, its scalars."""
-        values = [tf.convert_to_tensor(v) for v in self._template.trainable_variables]
-        trainable, frozen = (values, []) if training else ([], values)
-        non_trainable = [tf.convert_to_tensor(v) for v in self._template.non_trainable_variables]
+    def _arguments(self, pieces, shards, shares, batch, loss_scale):
+        """Each replica's arguments: the variables' values (packed), its rows, its scalars."""
+        self._prepare()
+        read = self._reads.read()
         batch = tf.cast(batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)
         arguments = []
         for i, shard in enumerate(shards):
             x, y, sample_weight = pieces[i]
-            state = [self._seeded(v, i) if seed else v for v, seed in zip(non_trainable, self._is_seed)]
-            scalars = [tf.cast(value, tf.float32) for value in (shares[i], _valid(shard), shard.sliced)]
-            arguments.append((trainable, frozen, state, x, y, sample_weight, *scalars, batch, loss_scale))
+            scalars = [tf.cast(value, tf.float32) for value in (i, shares[i], _valid(shard), shard.sliced)]
+            arguments.append((read, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 
     def _call_all(self, devices, arguments, totals, training, mode, timing=None):
@@ -197,40 +229,48 @@ class CompiledReplicas:
             with tf.device(device), tf.name_scope(f"replica_{i}"), _replicas.as_replica(i):
                 args = arguments[i]
                 if timing:  # x, y and sample_weight wait for the start time
-                    args = (*args[:3], *timing.start(i, args[3:6]), *args[6:])
+                    args = (args[0], *timing.start(i, args[1:4]), *args[4:])
                 results.append(self._step(*args, totals, training, mode))
                 if timing:
                     timing.end(i, results[-1])
         return results
 
-    @staticmethod
-    def _seeded(state, replica):
-        if replica == 0:
-            return state
-        return state + tf.constant([replica, 0], dtype=state.dtype)
-
-    def _assign_state(self, results, shares):
-        """The replicas' non-trainable values, weighted by their rows (seeds: replica 0's)."""
-        for k, variable in enumerate(self._template.non_trainable_variables):
-            first = results[0]["state"][k]
+    def _apply(self, gradients, states, shares):
+        """Sums the replicas' packed gradients, applies them, assigns the non-trainable state."""
+        template = self._template
+        if len(self._trainable):
+            summed = {key: tf.add_n([g[key] for g in gradients]) for key in gradients[0]}
+            values = self._trainable.unpack(summed)
+            # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
+            values = [g if connected else None for g, connected in zip(values, self._connected)]
+            self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))
+        states = [self._state.unpack(s) for s in states]
+        for k, variable in enumerate(template.non_trainable_variables):
+            first = states[0][k]
             if self._is_seed[k] or not first.dtype.is_floating:
                 variable.assign(first)
                 continue
-            # first + sum(share * (v - first)): equal values stay bit for bit.
-            spread = [tf.cast(s, first.dtype) * (r["state"][k] - first) for r, s in zip(results[1:], shares[1:])]
+            # The replicas' values weighted by their rows: first + sum(share *
+            # (v - first)), so that equal values stay bit for bit.
+            spread = [tf.cast(s, first.dtype) * (r[k] - first) for r, s in zip(states[1:], shares[1:])]
             variable.assign(first + tf.add_n(spread) if spread else first)
 
     def _replica(
-        self, trainable, frozen, state, x, y, sample_weight, share, valid, rows, batch, loss_scale,
-        totals, training, mode,
+        self, read, x, y, sample_weight, replica, share, valid, rows, batch, loss_scale, totals, training, mode,
     ):
         """One replica's work, traced for XLA: `mode` is "step", "count" or "forward"."""
         template = self._template
-        mapping = list(zip(template.trainable_variables, trainable or frozen))
+        values = self._reads.unpack(read)
+        count = len(self._trainable)
+        trainable, state = values[:count], values[count:]
+        # Replica i's seed generators start from the shared state with i added to the seed.
+        state = [_seeded(v, replica) if seed else v for v, seed in zip(state, self._is_seed)]
+        mapping = list(zip(template.trainable_variables, trainable))
         mapping += list(zip(template.non_trainable_variables, state))
         local = _Totals(rows, batch, totals)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(trainable)
+            if training:
+                tape.watch(trainable)
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 y_pred = template(x, training=training)
                 _split.check_batch_axis(y_pred, x)
@@ -242,16 +282,26 @@ class CompiledReplicas:
         self._traced_needs_counts = local.needs_counts
         if mode == "count":
             return {"counts": tf.stack(local.counts) if local.counts else tf.zeros((0,))}
-        gradients = tape.gradient(scaled, trainable) if trainable else []
-        gradients = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in gradients]
+        gradients = {}
+        if training:
+            gradients = tape.gradient(scaled, trainable) if trainable else []
+            self._connected = [g is not None for g in gradients]
+            gradients = [
+                tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(gradients, trainable)
+            ]
+            gradients = self._trainable.pack(gradients)
         return {
             "y_pred": y_pred,
             "masks": tree.map_structure(get_keras_mask, y_pred),
             "loss": loss,
             "gradients": gradients,
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
-            "state": [scope.get_current_value(v) for v in template.non_trainable_variables],
+            "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }
+
+
+def _seeded(state, replica):
+    return state + tf.cast(tf.stack([replica, 0]), state.dtype)
 
 
 def _valid(shard):

@@ -248,10 +248,10 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             shards = [_split.Shard(0, rows, rows)]
         else:
             y_pred, gradients, shards = step
-            if gradients:
-                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
-            else:
+            if not self.trainable_weights:
                 warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            elif gradients is not None:  # None: the compiled step applied them (`compiled.py`)
+                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._timing is not None:
             busy, rows = self._timing.record(shards, started, self._updated_weights())
@@ -325,9 +325,9 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.
                 loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
-                gradients = [
-                    _split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))
-                ]
+                gradients = None
+                if not self.replica_jit_compile:
+                    gradients = [_split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))]
         keras_private.loss_tracker(self).update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )
