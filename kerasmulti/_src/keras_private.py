@@ -126,6 +126,13 @@ from tensorflow.python.eager import context as eager_context  # noqa: E402
 # None if neither is there: only joining a cluster needs it (`cluster._join`).
 coordination_config_pb2 = getattr(eager_context, "coordination_config_pb2", None)
 
+# The profiler's trace format: `utils/step_ops.py` counts the operations a
+# step runs outside XLA from it (no public reader). None where it moved.
+try:
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+except ImportError:
+    xplane_pb2 = None
+
 # The deadline needs the registration barrier (`cluster_register_with_barrier`),
 # absent before TensorFlow 2.19; on 2.19.1 a worker other than the chief still
 # missed it at times (3 runs of 5). Joining is refused before 2.20.
@@ -396,5 +403,5 @@ __all__ = [
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
-    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn",
+    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2",
 ]

@@ -190,8 +190,12 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         return _balance.StepTiming(self._replica_devices)
 
     def _updated_weights(self) -> list:
-        """The trainable weights as read after this step's update (its end, for timing)."""
-        return [tf.convert_to_tensor(v) for v in self.trainable_weights or [self.optimizer.iterations]]
+        """The trainable weights as read after this step's update (its end, for timing).
+
+        A compiled step updates every variable in one XLA call: one read waits for all.
+        """
+        weights = self.trainable_weights or [self.optimizer.iterations]
+        return [tf.convert_to_tensor(v) for v in (weights[:1] if self.replica_jit_compile else weights)]
 
     def call(self, inputs, training=None):
         batch = _split.batch_size(inputs)

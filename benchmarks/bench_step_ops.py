@@ -1,0 +1,165 @@
+"""The TensorFlow operations a training step runs outside XLA, and how they grow with the model.
+
+A data-parallel step's fixed cost is paid per operation its executor runs
+outside XLA (a few microseconds each on a GPU host). This script counts them
+with TensorFlow's profiler (`kerasmulti._src.utils.step_ops`: exact, whatever
+the machine's load) for one `train_on_batch` step, averaged over a few:
+
+- a model with ResNet50's variable structure (53 x (Dense(8) +
+  BatchNormalization) + Dense(8): 214 trainable and 106 non-trainable
+  variables), bare Keras with `jit_compile=True` against `parallelize` over
+  `--devices` devices with XLA per replica, in float32 and mixed_float16,
+  with SGD and Adam, and with the uncompiled replicas (`jit_compile=False`);
+- one layer holding 50, then 600 weight vectors: the count per variable
+  (the slope), which a packed step holds at zero;
+- the step time of bare XLA and of the parallel step on those two models,
+  interleaved repeats (a timing: it does depend on the machine's load).
+
+Targets (issue "one step engine"): at most 100 operations per step outside
+XLA for 2 devices on the ResNet50-shaped model, float32 and mixed_float16,
+SGD and Adam, and the same count (+-10) at 50 and 600 variables.
+
+Usage:
+    python benchmarks/bench_step_ops.py [--devices 2] [--repeats 5] [--quick]
+"""
+
+from __future__ import annotations
+
+from _common import configure_devices, make_parser, median, print_environment, run_reporting, timed_rounds
+
+import time
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kerasmulti  # noqa: E402
+from kerasmulti._src.utils import step_ops  # noqa: E402
+
+SEED = 1234
+WIDTH = 8
+
+
+def resnet50_shaped(blocks: int = 53) -> keras.Model:
+    """53 x (Dense + BatchNormalization) + Dense: ResNet50's count of variables, tiny."""
+    inputs = keras.Input((WIDTH,))
+    h = inputs
+    for _ in range(blocks):
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(WIDTH)(h))
+    return keras.Model(inputs, keras.layers.Dense(WIDTH)(h))
+
+
+class ManyWeights(keras.layers.Layer):
+    """Adds `count` weight vectors to its input: a model of `count` variables and little compute."""
+
+    def __init__(self, count, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def build(self, input_shape):
+        self.vectors = [self.add_weight(shape=(input_shape[-1],), initializer="zeros") for _ in range(self.count)]
+
+    def call(self, x):
+        for v in self.vectors:
+            x = x + v
+        return x
+
+
+def many_weights(count: int) -> keras.Model:
+    return keras.Sequential([keras.Input((WIDTH,)), ManyWeights(count), keras.layers.Dense(WIDTH)])
+
+
+def build(make, devices, *, parallel: bool, policy="float32", optimizer="sgd", jit_compile=True):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(SEED)
+    try:
+        model = make()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    if parallel:
+        model = kerasmulti.parallelize(model, devices=devices)
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
+    return model
+
+
+class Step:
+    """One model's `train_on_batch` on a fixed batch, warmed up (traced and compiled) once."""
+
+    def __init__(self, name, model, batch):
+        self.name, self.model, self.times = name, model, []
+        self.x, self.y = batch
+        started = time.perf_counter()
+        self()
+        self.first = time.perf_counter() - started
+        self()  # a function that generalises its shapes traces again on its second call
+
+    def __call__(self):
+        return self.model.train_on_batch(self.x, self.y)
+
+    def timed(self, steps):
+        started = time.perf_counter()
+        for _ in range(steps):
+            self()
+        self.times.append((time.perf_counter() - started) / steps)
+
+
+def print_counts(rows):
+    print(f"{'step':<58}{'outside XLA':>12}{'XLA runs':>10}   most frequent")
+    for name, ops in rows:
+        print(f"{name:<58}{ops.outside_xla:>12.0f}{ops.xla_programs:>10.0f}   {ops.top(4)}")
+
+
+def main(argv=None) -> int:
+    parser = make_parser(__doc__, repeats=5, samples=64, samples_help="rows per batch",
+                         batch_help="(unused: one batch of --samples rows)")
+    parser.add_argument("--quick", action="store_true", help="fewer variants, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+    devices = configure_devices(args.devices)
+    print_environment(devices)
+    rng = np.random.default_rng(SEED)
+    batch = (rng.random((args.samples, WIDTH), dtype=np.float32), rng.random((args.samples, WIDTH), dtype=np.float32))
+    n = args.devices
+
+    print("\nResNet50-shaped model (214 trainable, 106 non-trainable variables), one train_on_batch step:")
+    settings = [("float32", "sgd")] if args.quick else [
+        ("float32", "sgd"), ("mixed_float16", "sgd"), ("float32", "adam"), ("mixed_float16", "adam")]
+    rows = [("bare Keras, jit_compile=True", step_ops.count(Step("", build(resnet50_shaped, devices, parallel=False), batch)))]
+    for policy, optimizer in settings:
+        model = build(resnet50_shaped, devices, parallel=True, policy=policy, optimizer=optimizer)
+        rows.append((f"parallelize({n}), XLA per replica, {policy}, {optimizer}", step_ops.count(Step("", model, batch))))
+    if not args.quick:
+        model = build(resnet50_shaped, devices, parallel=True, jit_compile=False)
+        rows.append((f"parallelize({n}), uncompiled replicas, float32, sgd", step_ops.count(Step("", model, batch))))
+    print_counts(rows)
+    compiled = [ops for name, ops in rows if "XLA per replica" in name]
+
+    print("\nOne layer holding 50 and 600 weight vectors (+ Dense), float32, SGD:")
+    steps, grown = [], []
+    for count in (50, 600):
+        bare = Step(f"bare XLA, {count} vectors", build(lambda: many_weights(count), devices, parallel=False), batch)
+        parallel = Step(f"parallelize({n}) XLA, {count} vectors", build(lambda: many_weights(count), devices, parallel=True), batch)
+        grown.append((parallel.name, step_ops.count(parallel)))
+        steps += [bare, parallel]
+    print_counts(grown)
+    slope = (grown[1][1].outside_xla - grown[0][1].outside_xla) / 550
+    print(f"Operations per step per variable (slope, 50 -> 600): {slope:+.3f}")
+
+    print(f"\nStep time (median of {args.repeats} interleaved repeats of 20 steps; first step: trace and compile):")
+    timed_rounds(steps, args.repeats, lambda s: s.timed(20))
+    for s in steps:
+        print(f"  {s.name:<36}{median(s.times) * 1e3:8.2f} ms   first step {s.first:6.2f} s")
+    for i in (0, 2):
+        bare, parallel = steps[i], steps[i + 1]
+        print(f"  {parallel.name}: {median(bare.times) / median(parallel.times):.2f}x bare XLA's step rate")
+
+    worst = max(ops.outside_xla for ops in compiled)
+    spread = abs(grown[1][1].outside_xla - grown[0][1].outside_xla)
+    print("\nTargets:")
+    print(f"  <= 100 ops outside XLA per step, every compiled variant: {'met' if worst <= 100 else 'not met'} (worst {worst:.0f})")
+    print(f"  the same count (+-10) at 50 and 600 variables: {'met' if spread <= 10 else 'not met'} ({spread:.0f} apart)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_reporting(main)

@@ -1,0 +1,150 @@
+"""The compiled step's packed engine: few operations outside XLA, one device's numbers.
+
+With XLA per replica the weights, gradients and non-trainable states cross
+devices as one flat buffer per dtype, and the merge and the optimizer's
+update run as one XLA call (`packing.py`, `compiled.py`). Here: the
+operations a step runs outside XLA, counted by TensorFlow's profiler (exact,
+whatever the load), stay few and do not grow with the variables; the cases
+the packing must take care of (variables the loss does not reach, variables
+of several dtypes, variables on several devices) keep one device's numbers.
+The shared conformance list checks every model kind under XLA
+(`test_conformance.py`, `jit=True`).
+"""
+
+from simulated import DEVICES
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasmulti
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import packing
+from kerasmulti._src.utils import step_ops
+
+
+class _Vectors(keras.layers.Layer):
+    """Adds `count` weight vectors to its input (`count` variables, little compute)."""
+
+    def __init__(self, count, **kwargs):
+        super().__init__(**kwargs)
+        self.count = count
+
+    def build(self, input_shape):
+        self.vectors = [self.add_weight(shape=(input_shape[-1],), initializer="zeros") for _ in range(self.count)]
+
+    def call(self, x):
+        for v in self.vectors:
+            x = x + v
+        return x
+
+
+def _counted(model, optimizer="sgd"):
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    rng = np.random.default_rng(5)
+    x, y = rng.random((8, 4), dtype=np.float32), rng.random((8, 4), dtype=np.float32)
+    parallel.train_on_batch(x, y)
+    parallel.train_on_batch(x, y)
+    return step_ops.count(lambda: parallel.train_on_batch(x, y))
+
+
+def _vectors_model(count):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((4,)), _Vectors(count), keras.layers.Dense(4)])
+
+
+def test_a_compiled_step_runs_the_same_few_operations_outside_xla_whatever_the_variable_count():
+    # Before packing: 7 operations per variable (a read, sends, a sum, the update), 385 at 50 vectors.
+    small, large = _counted(_vectors_model(10)), _counted(_vectors_model(160))
+    assert small.outside_xla <= 40, small.by_type
+    assert large.outside_xla == small.outside_xla, (small.by_type, large.by_type)
+    # A read, one program per replica, one update: not one per variable.
+    assert large.xla_programs == small.xla_programs == 4
+
+
+def test_adam_and_batchnorm_keep_the_count_small():
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((4,))
+    h = inputs
+    for _ in range(6):
+        h = keras.layers.BatchNormalization()(keras.layers.Dense(4)(h))
+    counted = _counted(keras.Model(inputs, keras.layers.Dense(4)(h)), optimizer="adam")
+    assert counted.outside_xla <= 40, counted.by_type
+
+
+def test_counting_refuses_a_tensorflow_without_the_trace_format(monkeypatch):
+    monkeypatch.setattr(keras_private, "xplane_pb2", None)
+    with pytest.raises(RuntimeError, match=r"operations cannot be counted.*Received: tensorflow="):
+        step_ops.count(lambda: None)
+
+
+def test_a_layout_packs_and_unpacks_tensors_of_several_dtypes_in_order():
+    tensors = [tf.constant([[1.0, 2.0]]), tf.constant([3, 4], tf.int64), tf.constant(5.0), tf.constant([6.0], tf.float16)]
+    layout = packing.Layout(tensors)
+    flats = layout.pack(tensors)
+    assert sorted(flats) == ["float16", "float32", "int64"]
+    np.testing.assert_array_equal(flats["float32"], [1.0, 2.0, 5.0])
+    for got, want in zip(layout.unpack(flats), tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+class _Unreached(keras.layers.Layer):
+    """A Dense whose second kernel the loss never reaches, and an int64 counter."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 3), initializer="glorot_uniform")
+        self.unused = self.add_weight(shape=(3,), initializer="ones")
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False)
+
+    def call(self, x):
+        return x @ self.kernel
+
+
+def _unreached_model():
+    keras.utils.set_random_seed(8)
+    return keras.Sequential([keras.Input((5,)), _Unreached(), keras.layers.Dense(2)])
+
+
+def test_a_variable_the_loss_does_not_reach_is_left_to_the_optimizer_as_on_one_device():
+    # AdamW decays a variable whose gradient is zero; one device's step leaves
+    # one without a gradient alone, as must the packed step (which carries zeros for it).
+    rng = np.random.default_rng(9)
+    x, y = rng.normal(size=(12, 5)).astype("float32"), rng.normal(size=(12, 2)).astype("float32")
+    reference, template = _unreached_model(), _unreached_model()
+    reference.compile(optimizer=keras.optimizers.AdamW(0.1, weight_decay=0.5), loss="mse")
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer=keras.optimizers.AdamW(0.1, weight_decay=0.5), loss="mse", jit_compile=True)
+    reference.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    parallel.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_array_equal(template.layers[0].unused.numpy(), np.ones(3))
+    for got, want in zip(template.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_variables_on_several_devices_train_with_one_device_numbers_and_a_warning():
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(12, 4)).astype("float32"), rng.normal(size=(12, 2)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(12)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+        return model
+
+    reference, template = build(), build()
+    with tf.device(f"/cpu:{DEVICES - 1}"):  # the second layer's weights move to the last device
+        moved = keras.layers.Dense(2)
+        moved.build((None, 3))
+    moved.set_weights(template.layers[1].get_weights())
+    template = keras.Sequential([keras.Input((4,)), template.layers[0], moved])
+    assert len({packing.device_of(v) for v in template.weights}) == 2
+    reference.compile(optimizer="sgd", loss="mse")
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    reference.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match=r"live on several devices.*Received: devices=\["):
+        parallel.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(template.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
