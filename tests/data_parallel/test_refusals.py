@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
+from kerasmulti._src.data_parallel import row_mixing
 
 
 def test_non_model_is_refused():
@@ -243,3 +244,59 @@ def test_keras_layers_that_mix_rows_are_warned_about(layer):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kerasmulti.parallelize(model, gpus=1)  # one device: nothing to warn about
+
+
+class _Counter(keras.layers.Layer):
+    """Counts its calls in a variable of its own, in every mode."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False, name="calls")
+
+    def call(self, t):
+        self.calls.assign_add(1)
+        return t
+
+
+@pytest.mark.parametrize("method", ["predict", "fit"])
+def test_the_probe_leaves_a_layers_own_counter_as_it_found_it(method):
+    # One 2-device step calls the layer once per replica: 2, as without the probe
+    # (whose five extra calls used to leave it at 5 after predict).
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    counter = _Counter()
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(counter(inputs)))
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    if method == "predict":
+        parallel.predict(x, batch_size=8, verbose=0)
+    else:
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert int(counter.calls.numpy()) == 2
+
+
+class _Sampling(keras.layers.Layer):
+    """A VAE's sampling layer: draws its noise at prediction time too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, t):
+        return t + keras.random.normal(keras.ops.shape(t), seed=self.seed_generator)
+
+
+def test_a_model_that_draws_random_numbers_at_prediction_time_is_not_warned_about():
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    sampling = _Sampling()
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(sampling(inputs)), name="vae_like")
+    state = sampling.seed_generator.state.numpy()
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        row_mixing.probe_once(parallel, x, stacklevel=1)
+    np.testing.assert_array_equal(sampling.seed_generator.state.numpy(), state)  # the probe's draws are undone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.predict(x, verbose=0)

@@ -14,8 +14,11 @@ which any model whose rows stay apart maps alike whole and split, so the
 input itself is never read. `fit` probes in training mode too, where a layer
 may mix rows only while training, unless the template holds layers that are
 meant to differ there (BatchNormalization, synchronised across replicas;
-Dropout and other seeded layers, random); the variables such a call moves
-(a layer's running statistics) are put back.
+Dropout and other seeded layers, random). A model whose outputs change from
+one call to the next (a VAE's sampling layer draws at prediction time) is not
+judged: its rows differ by chance, not by each other. Whatever the probe's
+calls move (a layer's counter or running statistics, seed states) is put
+back, in every mode: the user's model is left as it was.
 """
 
 from __future__ import annotations
@@ -76,9 +79,13 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
 
 
 def _difference(template, x, rows: int, training: bool) -> float:
-    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves."""
+    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves.
+
+    0 where the whole rows' outputs change from one call to the next (random draws).
+    """
     half = rows // 2
-    moved = list(template.non_trainable_variables) if training else []
+    # Non-trainable: a layer's own counters and statistics, and its seed states.
+    moved = list(template.non_trainable_variables)
     kept = [v.numpy() for v in moved]
 
     def run(begin, end):
@@ -86,17 +93,30 @@ def _difference(template, x, rows: int, training: bool) -> float:
         return [np.asarray(o) for o in tree.flatten(template(part, training=training))]
 
     try:
-        whole, first, second = run(0, rows), run(0, half), run(half, rows)
+        whole, again = run(0, rows), run(0, rows)
+        if _relative(whole, again) > TOLERANCE:
+            return 0.0
+        halves = [np.concatenate([a, b]) if _one_row_each(a, b, rows) else None for a, b in zip(run(0, half), run(half, rows))]
     finally:
         for variable, value in zip(moved, kept):
             variable.assign(value)
+    return _relative(whole, halves)
+
+
+def _one_row_each(first, second, rows: int) -> bool:
+    # Otherwise not one output row per input row: the parallel call will refuse it.
+    half = rows // 2
+    return first.shape[:1] == (half,) and second.shape[:1] == (rows - half,) and first.shape[1:] == second.shape[1:]
+
+
+def _relative(outputs, others) -> float:
+    """The largest difference between float outputs and others of their shape, relative to the outputs' size."""
     difference = 0.0
-    for w, a, b in zip(whole, first, second):
-        one_row_each = w.shape[:1] == (rows,) and a.shape[:1] == (half,) and b.shape[:1] == (rows - half,)
-        if not np.issubdtype(w.dtype, np.floating) or not one_row_each or not a.shape[1:] == b.shape[1:] == w.shape[1:]:
-            continue  # not one output row per input row: the parallel call will refuse it
-        scale = float(np.max(np.abs(w))) + 1e-6
-        difference = max(difference, float(np.max(np.abs(w - np.concatenate([a, b])))) / scale)
+    for w, o in zip(outputs, others):
+        if o is None or not np.issubdtype(w.dtype, np.floating) or w.shape != o.shape:
+            continue
+        scale = float(np.max(np.abs(w))) + 1e-6 if w.size else 1.0
+        difference = max(difference, float(np.max(np.abs(w - o))) / scale if w.size else 0.0)
     return difference
 
 
