@@ -163,10 +163,11 @@ def _configure(n: int) -> None:
         ) from error
 
 
-def simulate_from_environment() -> None:
+def environment_count() -> int | None:
+    """`KERASMULTI_SIMULATE_DEVICES` as a number of devices; None where it is not set."""
     value = os.environ.get(ENV_SIMULATE, "").strip()
     if not value:
-        return
+        return None
     try:
         n = int(value)
     except ValueError:
@@ -176,6 +177,13 @@ def simulate_from_environment() -> None:
             f"{ENV_SIMULATE} must be a positive int, the number of logical CPU devices. "
             f"Received: {ENV_SIMULATE}={value!r}"
         )
+    return n
+
+
+def simulate_from_environment() -> None:
+    n = environment_count()
+    if n is None:
+        return
     try:
         _configure(n)
     except RuntimeError as error:

@@ -32,6 +32,13 @@ def test_devices_lists_simulated_devices():
     assert result.stdout.split() == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
 
 
+def test_devices_names_the_variable_when_kerasmulti_simulate_devices_is_not_a_count():
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERASMULTI_SIMULATE_DEVICES": "abc"}
+    result = subprocess.run([sys.executable, "-m", "kerasmulti", "devices"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "KERASMULTI_SIMULATE_DEVICES must be a positive int, the number of logical CPU devices. Received: KERASMULTI_SIMULATE_DEVICES='abc'" in result.stderr
+
+
 def test_demo_trains_saves_and_checks_the_reload(tmp_path):
     result = _kerasmulti("demo", "--epochs", "2", "--output", str(tmp_path / "out"))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

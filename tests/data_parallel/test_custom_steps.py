@@ -411,6 +411,9 @@ def test_a_loaded_compiled_model_trains_without_a_new_compile(tmp_path):
     reference, template = (keras.models.load_model(tmp_path / "m.keras") for _ in range(2))
     expected = reference.fit(**data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    # Compiled already, with the template's optimizer: a guard `if not parallel.compiled:
+    # parallel.compile(...)` does not start it over with a fresh optimizer.
+    assert parallel.compiled and parallel.optimizer is template.optimizer
     assert_same_logs(expected, parallel.fit(**data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history)
     assert_same_weights(reference, template)
     assert template.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy() == 4 + 8

@@ -20,8 +20,6 @@ import signal
 import sys
 import threading
 
-from kerasmulti._src.startup import ENV_SIMULATE
-
 DEFAULT_SIMULATED = 2
 INTERRUPTED = 130  # what a shell reports for SIGINT
 GRACE_S = 5.0  # after Ctrl-C, how long the command may take to stop by itself
@@ -128,11 +126,12 @@ def _simulate_without_gpus(requested: int | None, pin_threads: bool) -> None:
     import tensorflow as tf
 
     import kerasmulti
+    from kerasmulti._src import devices
 
     if requested is None:
         if tf.config.list_physical_devices("GPU"):
             return
-        requested = int(os.environ.get(ENV_SIMULATE) or DEFAULT_SIMULATED)
+        requested = devices.environment_count() or DEFAULT_SIMULATED
     if pin_threads:
         # The demo's throughput: one thread per simulated device, as if each
         # were one core, so "one device" compares like with like (benchmarks/

@@ -75,7 +75,11 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     if cpu_relocation:
         _relocate_to_cpu(model)
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    return ParallelModel(model, replica_devices, merge_device, proportions)
+    parallel = ParallelModel(model, replica_devices, merge_device, proportions)
+    # A template that comes compiled (loaded from a .keras file) makes a compiled
+    # parallel model, optimizer state and all: `if not parallel.compiled` tells the truth.
+    parallel._adopt_template_compile()
+    return parallel
 
 
 def check_model(model) -> None:
