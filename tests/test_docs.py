@@ -100,3 +100,17 @@ def test_reference_pages_hold_no_history(page):
     """
     found = [f"{number}: {line.strip()}" for number, line in enumerate(page.read_text().splitlines(), 1) if NARRATION.search(line)]
     assert not found, f"{page.name}: move these to CHANGELOG.md:\n" + "\n".join(found)
+
+
+_NUMBERS = {word: n for n, word in enumerate("zero one two three four five six seven eight nine ten eleven twelve".split())}
+
+
+def test_the_readmes_counts_of_model_kinds_and_batch_shapes_are_the_conformance_suites():
+    """The README's "tested on N model kinds, M batch shapes", read from the suite's files (no TensorFlow)."""
+    found = re.search(r"tested on (\w+) model kinds, (\w+) batch\s+shapes", (ROOT / "README.md").read_text())
+    assert found, "the README no longer says how many model kinds and batch shapes are tested"
+    cases = (ROOT / "tests" / "cases.py").read_text()
+    listed = re.search(r"^CASES = \[(.*?)^\]", cases, re.S | re.M).group(1)
+    batch_sizes = re.search(r"^BATCH_SIZES = \[(.*?)\]", (ROOT / "tests" / "data_parallel" / "test_conformance.py").read_text(), re.M).group(1)
+    assert _NUMBERS[found.group(1)] == listed.count("Case("), found.group(0)
+    assert _NUMBERS[found.group(2)] == len(batch_sizes.split(",")), found.group(0)
