@@ -413,7 +413,7 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
 # SIGKILL, and Ctrl-C (SIGINT) at a random moment of the next epoch: Python's
 # KeyboardInterrupt stops fit wherever it lands, the backup stays whole.
 @pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
-def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path, stop):
+def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path, stop, seeded_data):
     epochs = 6
     straight = tmp_path / "straight"
     process = _start_worker(straight, epochs, "--backup", "--out", str(tmp_path / "straight.npz"))
@@ -423,7 +423,7 @@ def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp
     process = _start_worker(resumed, epochs, "--backup", interruptible=True)
     _wait_for(process, "epoch 3 done")
     if stop == signal.SIGINT:
-        time.sleep(random.uniform(0, 0.2))
+        time.sleep(random.Random(seeded_data).uniform(0, 0.2))  # the test's printed seed replays it
     process.send_signal(stop)
     # Python's KeyboardInterrupt ends it by SIGINT; inside a C call TensorFlow can
     # turn it into another error first (exit 1). Either way the backup is whole.

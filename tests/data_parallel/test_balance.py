@@ -188,6 +188,7 @@ def _data(n=240):
     return rng.normal(size=(n, 8)).astype("float32"), rng.normal(size=(n, 1)).astype("float32")
 
 
+@pytest.mark.slow  # wall-clock ratios (sleeps standing for slow devices): not in the fast tier
 def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     parallel = kerasmulti.parallelize(_slowed_model(factor=2.0), gpus=DEVICES)
     parallel.compile(optimizer="adam", loss="mse")
@@ -216,6 +217,7 @@ def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     assert glob.glob(str(tmp_path / "logs" / "throughput" / "events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # wall-clock ratios (sleeps standing for slow devices): not in the fast tier
 def test_auto_split_gives_a_slowed_device_fewer_rows_and_evens_out_the_replicas(monkeypatch):
     monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 4)
     x, y = _data(480)
