@@ -209,7 +209,7 @@ def test_a_model_that_mixes_rows_behind_a_dataset_or_only_in_training_is_warned_
         parallel.predict(x, verbose=0)  # inference mode: rows stay apart
     parallel = kerasmulti.parallelize(trains_mixed, gpus=2)
     parallel.compile(optimizer="sgd", loss="mse")
-    with pytest.warns(UserWarning, match=r"'trains_mixed'.*predicted in training mode whole and in two halves"):
+    with pytest.warns(UserWarning, match=r"'trains_mixed' for a row depend on the other rows of its batch in training mode, so split over devices"):
         parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
     # The probe's training calls were undone: the same fit again (no probe: once
     # per parallel model) moves the layer's counter as far as the first did.

@@ -65,15 +65,12 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         return  # the call itself will say what is wrong
     difference = max(differences)
     if difference > TOLERANCE:
-        mode = "in training mode " if differences[0] <= TOLERANCE else ""
+        # Why, and what to do: docs/data-parallel.md, "Models that look across rows".
+        mode = " in training mode" if differences[0] <= TOLERANCE else ""
         warnings.warn(
-            f"The outputs of '{template.name}' for a row depend on the other rows of its batch: "
-            f"{rows} rows, predicted {mode}whole and in two halves, differ by {difference:.1e} of the "
-            "outputs' size. On several devices each replica sees only its sub-batch, so the results will "
-            "differ from one device's. A layer that computes batch statistics of its own or compares rows "
-            "does this: run such a model on one device, or move that computation out of the model "
-            "(docs/data-parallel.md, 'Models that look across rows'). "
-            f"Received: relative difference={difference:.1e}",
+            f"The outputs of '{template.name}' for a row depend on the other rows of its batch{mode}, "
+            "so split over devices they differ from one device's. Run it on one device "
+            f"(docs/data-parallel.md). Received: relative difference={difference:.1e}",
             stacklevel=stacklevel + 1,
         )
 
