@@ -11,6 +11,8 @@ them from the data instead, so that one device's numbers can be expected.
 
 from simulated import DEVICES
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -504,15 +506,12 @@ def test_asking_for_xla_on_a_custom_step_is_warned_about_and_runs_uncompiled():
     assert np.isfinite(history["loss"][0])
 
 
-def test_a_gan_without_call_is_checkpointed_once_marked_built(tmp_path):
-    # As with Keras' own callbacks on one device: refused while unbuilt, saved once marked built.
+def test_a_gan_without_call_is_checkpointed_without_marking_it_built(tmp_path):
+    # Keras' own callbacks refuse it on one device until `gan.built = True`; its parts hold every weight.
     gan = _gan(GAN, 1)
     parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
     _gan_compile(parallel)
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "gan.weights.h5"), save_weights_only=True)
-    with pytest.raises(ValueError, match="not yet been built"):
-        parallel.fit(**_data("pairs"), batch_size=BATCH, verbose=0, callbacks=[checkpoint])
-    gan.built = True
     parallel.fit(**_data("pairs"), batch_size=BATCH, verbose=0, callbacks=[checkpoint])
     twin = _gan(GAN, 2)
     twin.built = True
@@ -536,3 +535,32 @@ def test_the_custom_steps_give_one_devices_numbers_on_4_devices_too():
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert re.search(r"^20 passed", result.stdout, re.M), result.stdout[-1000:]
+
+
+def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):
+    # Keras builds d_optimizer and g_optimizer at their first step, after the backup
+    # was loaded: they used to start from zero (the resumed run ended elsewhere).
+    data = _data("pairs")
+
+    def run(epochs, delete_checkpoint=True):
+        gan = _gan(GAN, 3)
+        parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+        _gan_compile(parallel)
+        backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=delete_checkpoint)
+        parallel.fit(**data, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[backup])
+        return gan
+
+    straight = run(2)
+    run(1, delete_checkpoint=False)  # the first epoch, backed up; then a new process, as after a kill
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = run(2)
+    # Keras' "Skipping variable loading" is not given for an optimizer that does resume (nor an unused one).
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    steps = 2 * -(-ROWS // BATCH)  # two epochs of whole and last partial batches
+    for optimizer in ("d_optimizer", "g_optimizer"):
+        assert int(getattr(resumed, optimizer).iterations.numpy()) == int(getattr(straight, optimizer).iterations.numpy()) == steps
+        for a, b in zip(getattr(straight, optimizer).variables, getattr(resumed, optimizer).variables):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)

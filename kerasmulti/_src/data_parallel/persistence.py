@@ -4,13 +4,17 @@ A parallel model owns no weights, so every file it writes is the template's,
 loadable with plain Keras, and loading fills the template, which the
 parallel model trains. The paths are checked first (a missing folder, a
 folder where a file goes, a damaged file), and weights Keras refuses after
-loading the layers that fit are put back as they were.
+loading the layers that fit are put back as they were. Keras saves no weights
+of a model it does not consider built, which a model without `call` (a GAN)
+never is: once all its parts have weights it is marked built, so its
+checkpoints and backups are written and read as any model's.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from kerasmulti._src.data_parallel.custom_steps import parts_built
 from kerasmulti._src.utils.arguments import check_readable_file, check_save_path
 
 
@@ -32,16 +36,19 @@ class TemplatePersistence:
         check_save_path("save", filepath, folder_allowed=zipped is False)
         if str(filepath).endswith(".h5"):
             kwargs.setdefault("include_optimizer", False)
+        _built_once_parts_are(self._template)
         return self._template.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the template's weights (see `keras.Model.save_weights`)."""
         check_save_path("save_weights", filepath)
+        _built_once_parts_are(self._template)
         return self._template.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Loads weights into the template (see `keras.Model.load_weights`); a file that does not fit changes nothing."""
         check_readable_file(filepath, "weights", not_found=FileNotFoundError)
+        _built_once_parts_are(self._template)
         with _unchanged_if_refused(self._template, filepath):
             return self._template.load_weights(filepath, *args, **kwargs)
 
@@ -55,6 +62,12 @@ class TemplatePersistence:
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+def _built_once_parts_are(template) -> None:
+    # What the user of a GAN does by hand (`gan.built = True`): its parts hold every weight.
+    if not template.built and parts_built(template):
+        template.built = True
 
 
 @contextlib.contextmanager
