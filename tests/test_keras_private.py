@@ -39,6 +39,7 @@ SIGNATURES = {
     "eager_context.context": [],
     "Functional": [],
     "coordination_config_pb2.CoordinatedJob": [],
+    "xplane_pb2.XSpace": [],
 }
 
 

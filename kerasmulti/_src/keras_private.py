@@ -43,8 +43,8 @@ if keras.backend.backend() != "tensorflow":
 # own argument handling (`training=` on models whose call does not take it).
 from keras.src.backend import compute_output_spec
 
-# Whether a layer call is in progress (Keras' call context): a loss computed
-# inside a layer (add_loss) is not a replica's part of the batch's loss.
+# Keras' call context (a loss computed inside a layer call is not a replica's part
+# of the batch's loss) and its shared objects of one save or load (`on_device.py`).
 from keras.src.backend.common import global_state
 
 # A tensor's Keras mask travels as an attribute the public API neither reads
@@ -72,8 +72,6 @@ from keras.src.losses import loss as loss_module
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
 
-# Keras' shared-object bookkeeping of one save or load (OnDevice writes a
-# layer wrapped several times once) also lives in `global_state`.
 # Keras' saving entry points: `model.save` / `load_model` / `load_weights`
 # all go through them, so a placed model is written as a plain one there
 # (`portable.py`); Keras has no public hook around saving.
@@ -125,13 +123,8 @@ from tensorflow.python.eager import context as eager_context  # noqa: E402
 # the module TensorFlow's own context imported is the one this TensorFlow has.
 # None if neither is there: only joining a cluster needs it (`cluster._join`).
 coordination_config_pb2 = getattr(eager_context, "coordination_config_pb2", None)
-
-# The profiler's trace format: `utils/step_ops.py` counts the operations a
-# step runs outside XLA from it (no public reader). None where it moved.
-try:
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-except ImportError:
-    xplane_pb2 = None
+# The profiler's trace format, from which `utils/step_ops.py` counts a step's operations.
+from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
 
 # The deadline needs the registration barrier (`cluster_register_with_barrier`),
 # absent before TensorFlow 2.19; on 2.19.1 a worker other than the chief still

@@ -190,10 +190,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         return _balance.StepTiming(self._replica_devices)
 
     def _updated_weights(self) -> list:
-        """The trainable weights as read after this step's update (its end, for timing).
-
-        A compiled step updates every variable in one XLA call: one read waits for all.
-        """
+        """The trainable weights as read after this step's update (its end, for timing; compiled: one waits for all)."""
         weights = self.trainable_weights or [self.optimizer.iterations]
         return [tf.convert_to_tensor(v) for v in (weights[:1] if self.replica_jit_compile else weights)]
 
@@ -254,7 +251,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             y_pred, gradients, shards = step
             if not self.trainable_weights:
                 warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            elif gradients is not None:  # None: the compiled step applied them (`compiled.py`)
+            elif gradients is not None:
                 self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if self._timing is not None:
@@ -312,7 +309,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             return y_pred, loss, gradients
 
         # Synchronised: the replicas' losses need the whole batch's totals
-        # (see _losses), and BatchNormalization its statistics.
+        # (`loss_parts.py`), and BatchNormalization its statistics.
         with contextlib.ExitStack() as stack:
             deferred = stack.enter_context(_loss_metrics.deferred_loss_metrics(self))
             if self.replica_jit_compile:
@@ -329,9 +326,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.
                 loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
-                gradients = None
-                if not self.replica_jit_compile:
-                    gradients = [_split.sum_gradients([r[2][k] for r in results]) for k in range(len(trainable))]
+                # None where the compiled step applied them (`compiled.py`).
+                gradients = None if self.replica_jit_compile else [_split.sum_gradients(list(g)) for g in zip(*[r[2] for r in results])]
         keras_private.loss_tracker(self).update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )

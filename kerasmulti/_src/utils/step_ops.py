@@ -52,11 +52,6 @@ def count(step: Callable[[], object], steps: int = 3) -> StepOps:
 
     Run `step` once before, so that tracing and compiling are not counted.
     """
-    if keras_private.xplane_pb2 is None:
-        raise RuntimeError(
-            "This TensorFlow does not ship the profiler's trace format, so operations cannot be "
-            f"counted. Use TensorFlow 2.21. Received: tensorflow={tf.version.VERSION}"
-        )
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:
