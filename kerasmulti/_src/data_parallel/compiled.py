@@ -147,7 +147,6 @@ class CompiledReplicas:
         if self._reads is not None and [id(v) for v in self._reads.variables] == [id(v) for v in variables]:
             return
         self._reads = _packing.DeviceReads(variables)
-        self._layout = _packing.Layout(variables)
         self._trainable = _packing.Layout(trainable)
         self._state = _packing.Layout(state)
         seed_ids = {
@@ -195,7 +194,7 @@ class CompiledReplicas:
             # Tracing alone tells whether a total needs the other replicas'
             # counts; where none does (most models), this trace is the step's.
             with _replicas.as_replica(0):
-                self._step.get_concrete_function(*self._on_replica(arguments[0]), None, training, "step")
+                self._step.get_concrete_function(*arguments[0], None, training, "step")
             self._needs_counts[key] = self._traced_needs_counts
         totals = None
         if self._needs_counts[key]:
@@ -208,18 +207,13 @@ class CompiledReplicas:
         if training:
             shares = [tf.cast(s, tf.float32) for s in shares]
             with tf.device(self._update_device):
-                gradients = {}
-                if len(self._trainable):
-                    gradients = {key: tf.add_n([r["gradients"][key] for r in results]) for key in results[0]["gradients"]}
-                states = [self._state.split(r["state"]) for r in results]
-                self._update(self._trainable.split(gradients), states, shares)
+                self._update([r["gradients"] for r in results], [r["state"] for r in results], shares)
         return [(_with_masks(r["y_pred"], r["masks"]), r["loss"]) for r in results]
 
     def _arguments(self, pieces, shards, shares, batch, loss_scale):
         """Each replica's arguments: the variables' values (packed), its rows, its scalars."""
         self._prepare()
-        with tf.device(self._reads.devices[0]):
-            read = self._layout.pack(self._reads.read())
+        read = self._reads.read()
         batch = tf.cast(batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)
         arguments = []
@@ -229,35 +223,28 @@ class CompiledReplicas:
             arguments.append((read, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 
-    def _on_replica(self, arguments):
-        # Split where the replica runs: one operation per dtype, and XLA gets the pieces as arguments.
-        return (self._layout.split(arguments[0]), *arguments[1:])
-
     def _call_all(self, devices, arguments, totals, training, mode, timing=None):
         results = []
         for i, device in enumerate(devices):
             with tf.device(device), tf.name_scope(f"replica_{i}"), _replicas.as_replica(i):
-                args = self._on_replica(arguments[i])
+                args = arguments[i]
                 if timing:  # x, y and sample_weight wait for the start time
                     args = (args[0], *timing.start(i, args[1:4]), *args[4:])
-                result = self._step(*args, totals, training, mode)
-                if mode == "step" and training:  # what goes back to the variables' device, packed
-                    result["gradients"] = self._trainable.pack(result["gradients"])
-                    result["state"] = self._state.pack(result["state"])
-                results.append(result)
+                results.append(self._step(*args, totals, training, mode))
                 if timing:
                     timing.end(i, results[-1])
         return results
 
     def _apply(self, gradients, states, shares):
-        """Applies the summed gradients and assigns the replicas' non-trainable state (`split` pieces)."""
+        """Sums the replicas' packed gradients, applies them, assigns the non-trainable state."""
         template = self._template
         if len(self._trainable):
-            values = self._trainable.shape(gradients)
+            summed = {key: tf.add_n([g[key] for g in gradients]) for key in gradients[0]}
+            values = self._trainable.unpack(summed)
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
             values = [g if connected else None for g, connected in zip(values, self._connected)]
             self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))
-        states = [self._state.shape(s) for s in states]
+        states = [self._state.unpack(s) for s in states]
         for k, variable in enumerate(template.non_trainable_variables):
             first = states[0][k]
             if self._is_seed[k] or not first.dtype.is_floating:
@@ -273,7 +260,7 @@ class CompiledReplicas:
     ):
         """One replica's work, traced for XLA: `mode` is "step", "count" or "forward"."""
         template = self._template
-        values = self._layout.shape(read)
+        values = self._reads.unpack(read)
         count = len(self._trainable)
         trainable, state = values[:count], values[count:]
         # Replica i's seed generators start from the shared state with i added to the seed.
@@ -295,20 +282,21 @@ class CompiledReplicas:
         self._traced_needs_counts = local.needs_counts
         if mode == "count":
             return {"counts": tf.stack(local.counts) if local.counts else tf.zeros((0,))}
-        gradients = []
+        gradients = {}
         if training:
             gradients = tape.gradient(scaled, trainable) if trainable else []
             self._connected = [g is not None for g in gradients]
             gradients = [
                 tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(gradients, trainable)
             ]
+            gradients = self._trainable.pack(gradients)
         return {
             "y_pred": y_pred,
             "masks": tree.map_structure(get_keras_mask, y_pred),
             "loss": loss,
             "gradients": gradients,
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
-            "state": [scope.get_current_value(v) for v in template.non_trainable_variables],
+            "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }
 
 

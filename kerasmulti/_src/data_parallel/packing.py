@@ -4,17 +4,13 @@ A step outside XLA pays for every operation it runs: reading a variable,
 sending it to a replica, summing a gradient, updating a weight are each one
 operation per variable, so a step's fixed cost would grow with the model
 (~40 us per variable per step on a CPU, ~4 us per operation on a GPU host).
-Instead the compiled step (`compiled.py`) reads every variable of a device in
-one XLA call (`DeviceReads`) and packs the values into one buffer per dtype
-(one concatenation each), sends the buffers to each replica, which splits
-them (one `SplitV` each) and hands the pieces to its own XLA program, and
-gets the gradients and new states back packed the same way. Summing,
-splitting and applying them is again one XLA call (`compiled.py`). The
-pieces enter XLA as separate arguments, reshaped inside (a free bitcast):
-XLA's CPU backend compiles slices of one buffer slowly (318 slices: 2 s,
-against 0.35 s for the same tensors passed one by one), so buffers are
-split and joined outside it, one operation per dtype. The operations a step
-runs outside XLA stay the same in number whatever the model's size.
+Instead the compiled step (`compiled.py`) reads every variable of a device
+into one buffer per dtype inside one XLA call (`read_on_devices`), sends the
+buffers to each replica, which takes them apart inside its own XLA program,
+and gets the gradients and new states back packed the same way. Summing,
+taking apart and applying them is again one XLA call (`compiled.py`). Reshapes
+and slices inside XLA cost no copy worth counting; the operations a step runs
+outside XLA stay the same in number whatever the model's size.
 """
 
 from __future__ import annotations
@@ -55,18 +51,10 @@ class Layout:
             groups.setdefault(key, []).append(tf.reshape(t, [-1]))
         return {key: tf.concat(parts, axis=0) if len(parts) > 1 else parts[0] for key, parts in groups.items()}
 
-    def split(self, flats: dict) -> list:
-        """`pack`'s buffers cut into one flat piece per tensor, in the layout's order."""
-        pieces = {key: iter(tf.split(flats[key], sizes) if len(sizes) > 1 else [flats[key]]) for key, sizes in self.sizes.items()}
-        return [next(pieces[key]) for key in self.keys]
-
-    def shape(self, pieces) -> list:
-        """`split`'s pieces with their tensors' shapes (inside XLA: no copy)."""
-        return [tf.reshape(piece, shape) for piece, shape in zip(pieces, self.shapes)]
-
     def unpack(self, flats: dict) -> list:
         """`pack`'s inverse: the tensors, each with its own shape, in the layout's order."""
-        return self.shape(self.split(flats))
+        pieces = {key: iter(tf.split(flats[key], sizes)) for key, sizes in self.sizes.items()}
+        return [tf.reshape(next(pieces[key]), shape) for key, shape in zip(self.keys, self.shapes)]
 
 
 def _elements(shape) -> int:
@@ -82,36 +70,44 @@ def device_of(variable) -> str:
 
 
 class DeviceReads:
-    """Reads variables with one XLA call per device they live on.
+    """Reads variables into flat buffers with one XLA call per device they live on.
 
-    XLA reads a resource only on its own device, so each device's variables
-    are read by a program of their own, which returns their values.
+    XLA reads a resource only on its own device, so the variables are read
+    where they live, each device's into its own buffers; what the replicas
+    get is the concatenation, one buffer per dtype.
 
     Args:
-        variables: The variables, in the order `read` returns their values.
+        variables: The variables, in the order `unpack` returns their values.
     """
 
     def __init__(self, variables):
         self.variables = list(variables)
+        self.layout = Layout(self.variables)
         self.devices = sorted({device_of(v) for v in self.variables})
-        self._reads = []
+        self._reads = {}
         for device in self.devices:
-            indices = [i for i, v in enumerate(self.variables) if device_of(v) == device]
-            read = tf.function(_reader([self.variables[i] for i in indices]), jit_compile=True)
-            self._reads.append((device, indices, read))
+            on_device = [v for v in self.variables if device_of(v) == device]
+            self._reads[device] = (on_device, tf.function(_reader(on_device), jit_compile=True))
+        self._order = [device_of(v) for v in self.variables]
 
     def read(self) -> list:
-        """The variables' values, in their order."""
-        values = [None] * len(self.variables)
-        for device, indices, read in self._reads:
+        """Each device's buffers, as `{dtype name: flat}` dicts in `devices` order."""
+        read = []
+        for device in self.devices:
             with tf.device(device):
-                for i, value in zip(indices, read()):
-                    values[i] = value
-        return values
+                read.append(self._reads[device][1]())
+        return read
+
+    def unpack(self, read: list) -> list:
+        """The variables' values from `read`'s buffers, in the variables' order."""
+        values = {d: iter(Layout(self._reads[d][0]).unpack(flats)) for d, flats in zip(self.devices, read)}
+        return [next(values[device]) for device in self._order]
 
 
 def _reader(variables):
+    layout = Layout(variables)
+
     def read():
-        return [tf.convert_to_tensor(getattr(v, "value", v)) for v in variables]
+        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
 
     return read
