@@ -59,6 +59,21 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code():
     assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
 
 
+def test_a_failing_workers_traceback_shows_once_the_others_one_line_each_and_the_launchers_line_last():
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "raise-1", "hang-0", "noisy-0")
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert lines.count("[worker 1] RuntimeError: worker 1's own failure") == 1
+    assert "[worker 1] Traceback (most recent call last):" in lines
+    # Worker 0's 40 lines of stopping are held back: one line says it was stopped.
+    assert not [line for line in lines if "stopping, line" in line]
+    assert lines[-2:] == [
+        "[worker 0] stopped; 40 line(s) it printed since were not shown",
+        "kerasmulti launch: worker 1 failed with exit code 1; stopped the others. If the script trains with "
+        "ParallelBackupAndRestore, run the same command to resume from its last backup.",
+    ]
+
+
 def test_a_cluster_that_keeps_failing_is_restarted_max_restarts_times_then_fails():
     result = _kerasmulti("--workers", "2", "--max-restarts", "2", os.path.join(WORKERS, "cluster_info.py"), "fail-1")
     assert result.returncode == 3

@@ -3,7 +3,10 @@
 The launcher starts the workers of one cluster, prefixes every line they
 print with `[worker i]`, and ends all of them as soon as one fails, exiting
 with that worker's code: a hung cluster does not outlive its first failure,
-and stopping the launcher (SIGTERM, SIGHUP) stops its workers. It sleeps
+and stopping the launcher (SIGTERM, SIGHUP) stops its workers. What the
+workers it stops print from then on (the tracebacks of their interrupted
+training) is held back, one `stopped` line each instead, so that the failing
+worker's own traceback and the launcher's line, last, stand out. It sleeps
 until a worker ends, waiting on each process's sentinel (a pidfd on Linux)
 with `multiprocessing.connection.wait`.
 
@@ -113,16 +116,17 @@ def _run_on_free_ports(start: Callable, workers: int, out) -> tuple[list, int | 
     for attempt in range(1, PORT_ATTEMPTS + 1):
         hosts = local_hosts(workers)
         processes, streams, pumps = [], [], []
+        relay = _Relay(out)
         try:
             for index in range(workers):
                 process, stream = start(hosts, index)
                 processes.append(process)
                 streams.append(stream)
-                pumps.append(_start_pump(stream, index, out))
+                pumps.append(_start_pump(stream, index, relay))
         except BaseException:
             _stop(processes)  # a worker left alone would wait for its peers forever
             raise
-        failed = supervise(processes, pumps)
+        failed = supervise(processes, pumps, relay)
         for stream in streams:
             stream.close()
         if failed is None or processes[failed].returncode != EXIT_PORT_TAKEN or attempt == PORT_ATTEMPTS:
@@ -161,25 +165,30 @@ def run_one(command: list[str], env: dict) -> int:
     return exit_code(returncode)
 
 
-def supervise(processes, pumps) -> int | None:
+def supervise(processes, pumps, relay) -> int | None:
     """Waits for all processes; on the first failure stops the rest. Returns its index or None.
 
     When this process is stopped (SIGTERM) its workers get SIGTERM; if all of
     them then back up their step and exit with `REQUEUE_EXIT_CODE`, so does
-    this process.
+    this process. What the workers it stops print from then on is held back
+    by `relay` (a `_Relay`), which says which were stopped, before the
+    launcher's own line.
     """
-    failed = None
+    failed, requeue = None, False
     try:
         with _stopped_with_this_process():
             failed = _first_failure(processes)
+        if failed is not None:
+            relay.hold_back(processes, keep=failed)
     except SystemExit:
+        relay.hold_back(processes)
         _stop(processes)
-        if all(p.returncode == REQUEUE_EXIT_CODE for p in processes):
-            sys.stderr.write(
-                f"kerasmulti launch: SIGTERM received; every worker backed up the step it reached. Exiting with "
-                f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
-            )
+        requeue = all(p.returncode == REQUEUE_EXIT_CODE for p in processes)
+        if requeue:
             raise SystemExit(REQUEUE_EXIT_CODE) from None
+        raise
+    except BaseException:  # Ctrl-C
+        relay.hold_back(processes)
         raise
     finally:
         # A worker that found its port taken: the cluster never formed, no peer trains.
@@ -187,7 +196,45 @@ def supervise(processes, pumps) -> int | None:
         _stop(processes, grace=UNFORMED_GRACE_SECONDS if port_taken else STOP_GRACE_SECONDS)
         for pump in pumps:
             pump.join(timeout=5)
+        relay.say_stopped()
+        if requeue:
+            sys.stderr.write(
+                f"kerasmulti launch: SIGTERM received; every worker backed up the step it reached. Exiting with "
+                f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
+            )
     return failed
+
+
+class _Relay:
+    """The workers' output, each line prefixed with its worker; held back for the workers the launcher stops."""
+
+    def __init__(self, out):
+        self.out, self.lock = out, threading.Lock()
+        self.muted, self.running, self.held = set(), set(), {}
+
+    def write(self, index: int, line: str) -> None:
+        with self.lock:
+            if index in self.muted:
+                self.held[index] = self.held.get(index, 0) + 1
+                return
+            self.out.write(f"[worker {index}] {line}")
+            self.out.flush()
+
+    def hold_back(self, processes, keep: int | None = None) -> None:
+        """From now on only worker `keep`'s lines are shown (no worker's where None)."""
+        with self.lock:
+            self.muted = {i for i in range(len(processes)) if i != keep}
+            self.running = {i for i in self.muted if processes[i].poll() is None}
+
+    def say_stopped(self) -> None:
+        """One line for each worker held back: stopped, or ended with lines not shown."""
+        with self.lock:
+            for index in sorted(self.running | set(self.held)):
+                held = self.held.get(index, 0)
+                what = "stopped" if index in self.running else "ended"
+                more = f"; {held} line(s) it printed since were not shown" if held else ""
+                self.out.write(f"[worker {index}] {what}{more}\n")
+            self.out.flush()
 
 
 def _first_failure(processes) -> int | None:
@@ -261,14 +308,13 @@ def _stop(processes, grace: float | None = None) -> None:
         raise
 
 
-def _pump(stream, prefix: str, out) -> None:
+def _pump(stream, index: int, relay: _Relay) -> None:
     for line in iter(stream.readline, ""):
-        out.write(f"{prefix}{line}")
-        out.flush()
+        relay.write(index, line)
 
 
-def _start_pump(stream, index: int, out) -> threading.Thread:
-    pump = threading.Thread(target=_pump, args=(stream, f"[worker {index}] ", out), daemon=True)
+def _start_pump(stream, index: int, relay: _Relay) -> threading.Thread:
+    pump = threading.Thread(target=_pump, args=(stream, index, relay), daemon=True)
     pump.start()
     return pump
 
