@@ -72,9 +72,9 @@ def device_of(variable) -> str:
 class DeviceReads:
     """Reads variables into flat buffers with one XLA call per device they live on.
 
-    XLA reads a resource only on its own device, so the variables are read
-    where they live, each device's into its own buffers; what the replicas
-    get is the concatenation, one buffer per dtype.
+    XLA reads a resource only on its own device, so each device's variables
+    are read, and packed one buffer per dtype, by a program of their own;
+    a replica gets every device's buffers and takes them apart (`unpack`).
 
     Args:
         variables: The variables, in the order `unpack` returns their values.
@@ -82,13 +82,12 @@ class DeviceReads:
 
     def __init__(self, variables):
         self.variables = list(variables)
-        self.layout = Layout(self.variables)
         self.devices = sorted({device_of(v) for v in self.variables})
+        self._order = [device_of(v) for v in self.variables]
         self._reads = {}
         for device in self.devices:
-            on_device = [v for v in self.variables if device_of(v) == device]
-            self._reads[device] = (on_device, tf.function(_reader(on_device), jit_compile=True))
-        self._order = [device_of(v) for v in self.variables]
+            layout = Layout([v for v, d in zip(self.variables, self._order) if d == device])
+            self._reads[device] = (layout, tf.function(_reader(layout, device, self.variables), jit_compile=True))
 
     def read(self) -> list:
         """Each device's buffers, as `{dtype name: flat}` dicts in `devices` order."""
@@ -100,14 +99,14 @@ class DeviceReads:
 
     def unpack(self, read: list) -> list:
         """The variables' values from `read`'s buffers, in the variables' order."""
-        values = {d: iter(Layout(self._reads[d][0]).unpack(flats)) for d, flats in zip(self.devices, read)}
+        values = {d: iter(self._reads[d][0].unpack(flats)) for d, flats in zip(self.devices, read)}
         return [next(values[device]) for device in self._order]
 
 
-def _reader(variables):
-    layout = Layout(variables)
+def _reader(layout: Layout, device: str, variables):
+    on_device = [v for v in variables if device_of(v) == device]
 
     def read():
-        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
+        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in on_device])
 
     return read
