@@ -206,10 +206,13 @@ def _concat(pieces, shards):
 def sum_gradients(gradients):
     """Sums one variable's gradients from all replicas (None where none has one).
 
-    Sparse gradients (an `Embedding`'s rows, as `IndexedSlices`) stay sparse:
-    the replicas' rows are joined, and rows that repeat add up where the
-    optimizer applies them, as the repeated rows of one device's gradient do.
-    A large table then gets no dense update a step.
+    Sparse gradients (`IndexedSlices`) stay sparse, so a large table gets no
+    dense update a step, and keep the rows one device's gradient lists: an
+    `Embedding`'s lists a row once per lookup, so the replicas' rows are
+    joined and repeat as one device's do; a sparse input's matmul lists each
+    row once (its rows come out of a `tf.unique`), so the joined rows that
+    repeat are summed into one. The difference shows with optimizers that
+    are not linear in the gradient (Adagrad squares each listed row).
     """
     present = [g for g in gradients if g is not None]
     if not present:
@@ -217,9 +220,24 @@ def sum_gradients(gradients):
     if all(isinstance(g, tf.IndexedSlices) for g in present):
         if len(present) == 1:
             return present[0]
-        return tf.IndexedSlices(
-            tf.concat([g.values for g in present], axis=0),
-            tf.concat([g.indices for g in present], axis=0),
-            present[0].dense_shape,
-        )
+        values = tf.concat([g.values for g in present], axis=0)
+        indices = tf.concat([g.indices for g in present], axis=0)
+        if all(_listed_once(g.indices) for g in present):
+            indices, position = tf.unique(indices)
+            values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
+        return tf.IndexedSlices(values, indices, present[0].dense_shape)
     return tf.add_n([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in present])
+
+
+def _listed_once(indices) -> bool:
+    """Whether a sparse gradient's rows come out of a `tf.unique`, read from the graph being traced.
+
+    False where that cannot be read (a step run eagerly): the rows are then joined as they are.
+    """
+    try:
+        op = indices.op
+    except AttributeError:  # an eager tensor
+        return False
+    while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
+        op = op.inputs[0].op
+    return op.type == "Unique"
