@@ -230,11 +230,9 @@ def _join(timeout_s: float):
         # Without the registration barrier a missing worker would block the others for an hour.
         needed = ".".join(map(str, keras_private.CLUSTER_TENSORFLOW))
         raise ClusterError(
-            f"Training across workers needs TensorFlow {needed} or later: older releases cannot put a "
-            "deadline on joining the cluster, so one missing worker would block the others for an "
-            f"hour. Upgrade TensorFlow (pip install 'tensorflow>={needed}'), or train in one "
-            "process (parallelize() without TF_CONFIG works on this TensorFlow). "
-            f"Received: tensorflow={tf.version.VERSION}"
+            f"Training across workers needs TensorFlow {needed} or later (older ones cannot bound the "
+            f"wait for a missing worker). Run pip install 'tensorflow>={needed}', or train in one "
+            f"process, without TF_CONFIG. Received: tensorflow={tf.version.VERSION}"
         )
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()

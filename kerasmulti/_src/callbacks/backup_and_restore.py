@@ -279,10 +279,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _refuse(self, weights: str, reason: str):
         raise ValueError(
-            f"ParallelBackupAndRestore cannot resume from '{weights}': the backup does not fit the "
-            f"model being trained, which changed since it was written ({reason}). Build the model as "
-            f"it was to resume, or, to start over with the new one, delete '{self.backup_dir}' or pass "
-            f"another backup_dir. The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
+            f"ParallelBackupAndRestore cannot resume from '{weights}': it does not fit the model being "
+            f"trained ({reason}). Build the model as it was, or delete '{self.backup_dir}' to start over. "
+            f"The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
         ) from None
 
     def _save_model(self):

@@ -32,7 +32,7 @@ def _digits():
     except ImportError as error:
         raise SystemExit(
             "The demo trains on scikit-learn's bundled digits, but scikit-learn "
-            "is not installed. Install it with: pip install 'kerasmulti[demo]'"
+            "is not installed. Install it with: pip install 'kerasmulti[demo]'. Received: scikit-learn=None"
         ) from error
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]

@@ -267,9 +267,8 @@ def _refuse_endless(data: tf.data.Dataset) -> None:
     if _feeding.endless(data):
         # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
         raise ValueError(
-            "parallel_predict() got a tf.data.Dataset that repeats forever (`.repeat()` without a "
-            "count) behind an operation that hides its length (such as `.filter()`), so it would be "
-            "read forever. Pass steps= (the batches to predict), or give `.repeat()` a count. "
+            "parallel_predict() got a tf.data.Dataset that repeats forever behind an operation that "
+            "hides its length (such as `.filter()`). Pass steps=, or give `.repeat()` a count. "
             "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
         )
 
@@ -331,10 +330,9 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
         return BatchedSource(data, steps)
     if isinstance(data, collections.abc.Iterator):
         raise TypeError(
-            "parallel_predict() cannot read a Python generator or iterator: it is read once, and "
-            "parallel_predict() may read its input twice (with output=, to count the rows first). Wrap "
-            "it in tf.data.Dataset.from_generator(make_batches, output_signature=...), whose function "
-            f"makes a new generator for each read, or in a keras.utils.PyDataset. Received: data={type(data).__name__}"
+            "parallel_predict() cannot read a Python generator: it may read its input twice (output= "
+            "counts the rows first). Wrap it in tf.data.Dataset.from_generator(...) or a "
+            f"keras.utils.PyDataset (docs/inference.md). Received: data={type(data).__name__}"
         )
     leaves = tree.flatten(data)
     arrays = [hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves]
