@@ -125,3 +125,42 @@ def test_variables_on_several_devices_train_with_one_device_numbers_and_a_warnin
         parallel.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(template.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_gradient_accumulation_and_several_steps_per_execution_keep_one_devices_numbers(optimizer):
+    # Keras' accumulation runs inside the optimizer, here inside the packed update's XLA call.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(24, 5)).astype("float32"), rng.normal(size=(24, 2)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(13)
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
+
+    def make():
+        return keras.optimizers.get({"class_name": optimizer, "config": {"gradient_accumulation_steps": 2}})
+
+    reference, template = build(), build()
+    reference.compile(optimizer=make(), loss="mse", steps_per_execution=2, jit_compile=True)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer=make(), loss="mse", steps_per_execution=2, jit_compile=True)
+    fit = dict(batch_size=6, epochs=2, shuffle=False, verbose=0)
+    expected, got = reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+    # 8 steps, an update every 2nd: Keras counts updates.
+    assert int(parallel.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 4
+    for got_weight, want in zip(template.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_weight, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_model_is_warned_about_and_left_unchanged_under_xla():
+    template = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    template.trainable = False
+    before = template.get_weights()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse", jit_compile=True)
+    x, y = np.random.default_rng().normal(size=(8, 3)), np.zeros((8, 2))
+    with pytest.warns(UserWarning, match="does not have any trainable weights"):
+        parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    for got, want in zip(template.get_weights(), before):
+        np.testing.assert_array_equal(got, want)
