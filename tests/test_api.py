@@ -97,7 +97,7 @@ def test_keras_on_another_backend_is_refused_with_a_clear_error():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "kerasmulti runs Keras on TensorFlow, but Keras was loaded with the 'jax' backend" in result.stdout
+    assert "kerasmulti runs Keras on TensorFlow, but Keras uses another backend. Set KERAS_BACKEND=tensorflow" in result.stdout
     assert result.stdout.strip().endswith("Received: backend='jax'")
 
 

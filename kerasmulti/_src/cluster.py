@@ -88,8 +88,7 @@ def config() -> dict | None:
     except (ValueError, KeyError, TypeError) as error:
         raise ClusterError(
             f"TF_CONFIG does not describe a cluster ({type(error).__name__}: {error}). Let "
-            "`kerasmulti launch` write it, or use the form "
-            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}. '
+            "`kerasmulti launch` write it (docs/multi-worker.md). "
             f"Received: TF_CONFIG={text!r}"
         ) from None
     tasks = sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs)
@@ -222,17 +221,16 @@ def _join(timeout_s: float):
 
     if coordination_config_pb2 is None:  # a TensorFlow newer than those declared
         raise ClusterError(
-            "This TensorFlow keeps the coordination service's config where kerasmulti does not look, "
-            "so it cannot join a cluster: use a TensorFlow that setup.cfg declares. "
+            "This TensorFlow is unknown to kerasmulti, so it cannot join a cluster: use a TensorFlow that "
+            "setup.cfg declares. "
             f"Received: tensorflow={tf.version.VERSION}"
         )
     if keras_private.tensorflow_version() < keras_private.CLUSTER_TENSORFLOW:
         # Without the registration barrier a missing worker would block the others for an hour.
         needed = ".".join(map(str, keras_private.CLUSTER_TENSORFLOW))
         raise ClusterError(
-            f"Training across workers needs TensorFlow {needed} or later (older ones cannot bound the "
-            f"wait for a missing worker). Run pip install 'tensorflow>={needed}', or train in one "
-            f"process, without TF_CONFIG. Received: tensorflow={tf.version.VERSION}"
+            f"Training across workers needs TensorFlow {needed} or later. Run pip install "
+            f"'tensorflow>={needed}', or train in one process. Received: tensorflow={tf.version.VERSION}"
         )
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()

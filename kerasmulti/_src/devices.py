@@ -129,7 +129,7 @@ def simulate_devices(n: int) -> list[str]:
     """
     if not is_positive_int(n):
         raise ValueError(
-            f"simulate_devices() needs a positive int: how many logical CPU devices to make. Received: n={n!r}"
+            f"simulate_devices() needs n as a positive int. Received: n={n!r}"
         )
     _configure(n)
     if tf.config.list_physical_devices("GPU"):  # listing physical devices initialises nothing
@@ -157,8 +157,8 @@ def _configure(n: int) -> None:
             return  # already as asked
         # TensorFlow fixes its logical devices when it first initialises them.
         raise RuntimeError(
-            f"simulate_devices({n}) came too late: TensorFlow already made {existing} CPU device(s). "
-            f"Restart Python (or the kernel) and call it first, or set {ENV_SIMULATE}={n} beforehand. "
+            f"simulate_devices({n}) came too late: TensorFlow made {existing} CPU device(s). "
+            f"Restart Python and call it first, or set {ENV_SIMULATE}={n}. "
             f"Received: n={n}"
         ) from error
 
@@ -216,8 +216,7 @@ def resolve_devices(
     existing = available_devices()
     if gpus is not None and devices is not None:
         raise DeviceError(
-            f"{caller} takes either gpus= or devices=, not both: gpus= picks devices by count or "
-            f"id, devices= by name. Received: gpus={gpus!r}, devices={devices!r}"
+            f"{caller} takes either gpus= or devices=, not both. Received: gpus={gpus!r}, devices={devices!r}"
         )
     if devices is not None:
         return _resolve_names(devices, caller)
@@ -225,8 +224,8 @@ def resolve_devices(
         return existing
     if not (is_int(gpus) or isinstance(gpus, (list, tuple))):
         raise DeviceError(
-            f"{caller} expects gpus as a positive int, a list of device ids such as [0, 1], or "
-            f"None for all {_count_and_names(existing)} devices. Received: gpus={gpus!r}"
+            f"{caller} expects gpus as a positive int, a list of ids, or None for all "
+            f"{_count_and_names(existing)}. Received: gpus={gpus!r}"
         )
     if is_int(gpus):
         gpus = int(gpus)
@@ -240,21 +239,18 @@ def resolve_devices(
     ids = list(gpus)
     if not ids or not all(is_int(i) for i in ids):
         raise DeviceError(
-            f"{caller} expects gpus as a non-empty list of int device ids, "
-            f"e.g. [0, 1]; this machine has {_count_and_names(existing)}. "
+            f"{caller} expects gpus as a non-empty list of int ids; this machine has {_count_and_names(existing)}. "
             f"Received: gpus={gpus!r}"
         )
     if len(set(ids)) != len(ids):
         raise DeviceError(
-            f"{caller} got the same device id twice; each replica needs its own. "
-            f"Remove the duplicates. Received: gpus={gpus!r}"
+            f"{caller} got the same device id twice. Remove the duplicates. Received: gpus={gpus!r}"
         )
     missing = [i for i in ids if not 0 <= i < len(existing)]
     if missing:
         raise DeviceError(
-            f"{caller} was asked for device id(s) {missing} that do not exist; "
-            f"this machine has {_count_and_names(existing)}, ids 0 to "
-            f"{len(existing) - 1}. Received: gpus={gpus!r}"
+            f"{caller} got id(s) {missing} that do not exist; this machine has "
+            f"{_count_and_names(existing)}, ids 0 to {len(existing) - 1}. Received: gpus={gpus!r}"
         )
     return [existing[int(i)] for i in ids]
 
@@ -266,8 +262,8 @@ def _known_name(name, known: list[str], caller: str, received: str) -> str:
         canonical = None
     if canonical not in known:
         raise DeviceError(
-            f"{caller} got a device that does not exist here. Known devices: {', '.join(known)}. "
-            f"Use one of these, or kerasmulti.simulate_devices(n) at startup for more CPUs. Received: {received}"
+            f"{caller} got a device that does not exist. Known devices: {', '.join(known)}. "
+            f"Use one, or kerasmulti.simulate_devices(n). Received: {received}"
         )
     return canonical
 
@@ -287,14 +283,12 @@ def _resolve_names(devices: Sequence[str], caller: str) -> list[str]:
     known = known_devices()
     if isinstance(devices, str) or not devices:
         raise DeviceError(
-            f"{caller} expects devices as a non-empty list of TensorFlow device "
-            f"names, such as ['/gpu:0', '/gpu:1']. Known devices: "
+            f"{caller} expects devices as a non-empty list of names. Known devices: "
             f"{', '.join(known)}. Received: devices={devices!r}"
         )
     names = [_known_name(name, known, caller, f"devices={list(devices)!r}") for name in devices]
     if len(set(names)) != len(names):
         raise DeviceError(
-            f"{caller} got the same device twice; each replica needs its own. "
-            f"Remove the duplicates. Received: devices={list(devices)!r}"
+            f"{caller} got the same device twice. Remove the duplicates. Received: devices={list(devices)!r}"
         )
     return names

@@ -32,8 +32,8 @@ if keras.backend.backend() != "tensorflow":
     # Everything below is the TensorFlow backend's: another backend's would
     # fail in ways that do not say why.
     raise ImportError(
-        f"kerasmulti runs Keras on TensorFlow, but Keras was loaded with the {keras.backend.backend()!r} "
-        "backend. Set KERAS_BACKEND=tensorflow before Keras is first imported (or in ~/.keras/keras.json). "
+        "kerasmulti runs Keras on TensorFlow, but Keras uses another backend. "
+        "Set KERAS_BACKEND=tensorflow before importing Keras. "
         f"Received: backend={keras.backend.backend()!r}"
     )
 

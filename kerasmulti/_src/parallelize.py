@@ -122,16 +122,14 @@ def parallelize(
         if not unwrap(model).built:
             # check_model lets a GAN without call through: its own step runs in one process only.
             raise ValueError(
-                f"Across workers parallelize() needs a built model: the own train_step of "
-                f"'{unwrap(model).name}' runs data-parallel in one process only so far. Train it "
-                f"in one process, or give it a call() and build it. "
+                "Across workers parallelize() needs a built model: a custom train_step runs in one "
+                "process only. Train in one process, or build it. "
                 f"Received: model={unwrap(model).name!r} with built=False"
             )
         # Checked, though the strategy picks the devices.
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(
-                "split= other than 'even' works in one process only (tf.distribute shares "
-                "batches evenly across workers). Leave split='even'. "
+                "split= other than 'even' works in one process only. Leave split='even'. "
                 f"Received: split={split!r}"
             )
         _wrap.warn_row_mixing(unwrap(model), stacklevel=2)

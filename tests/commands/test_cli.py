@@ -148,11 +148,11 @@ def test_predict_from_an_image_folder_stores_file_names(files):
         (["m.keras", "nope.npy"], "The input 'nope.npy' does not exist. Received: input='nope.npy'"),
         (["m.keras", "x.h5", "--dataset", "zz"], "holds the datasets ['images', 'labels']; pass the one to predict on with --dataset NAME. Received: dataset='zz'"),
         (["m.keras", "x.h5"], "Received: dataset=None"),
-        (["m.keras", "x.npy", "--dataset", "images"], "is a .npy file, which holds one array. Drop --dataset. Received: dataset='images'"),
+        (["m.keras", "x.npy", "--dataset", "images"], "--dataset is for HDF5 inputs, but 'x.npy' is a .npy file. Drop it. Received: dataset='images'"),
         (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
         (["m.keras", "x.h5", "--dataset", "labels"], "do not fit model"),
-        (["m.keras", "zero.npy"], "got a single value (a 0-d array), not rows. Add a batch axis, e.g. np.expand_dims(x, 0). Received: shape=()"),
-        (["m.keras", "text.npy"], "takes float32 numbers, but the data holds text. Convert the data to numbers first. Received: dtype=<U1"),
+        (["m.keras", "zero.npy"], "got a 0-d array. Add a batch axis: np.expand_dims(x, 0). Received: shape=()"),
+        (["m.keras", "text.npy"], "takes float32 numbers, but the data holds text. Convert it. Received: dtype=<U1"),
     ],
 )
 def test_predict_errors_are_one_line_with_a_non_zero_exit(files, args, message):
@@ -168,7 +168,7 @@ def test_predict_refuses_to_write_into_its_input(files):
     result = _kerasmulti("predict", "m.keras", "x.h5", "--dataset", "images", "--output", "x.h5", cwd=folder)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "the file it reads its input from" in result.stderr and "Received: output='x.h5'" in result.stderr
+    assert "would overwrite its input file" in result.stderr and "Received: output='x.h5'" in result.stderr
     with h5py.File(folder / "x.h5", "r") as f:
         np.testing.assert_array_equal(f["images"][:], x)
 
@@ -490,12 +490,12 @@ def _damaged_inputs(folder, x):
 @pytest.mark.parametrize(
     "model, source, message",
     [
-        ("m.keras", "objects.npy", "'{folder}/objects.npy' holds Python objects, which kerasmulti does not unpickle. Save a numeric array with numpy.save. Received: input="),
-        ("m.keras", "garbage.npy", "'{folder}/garbage.npy' is damaged: it is not a readable .npy file. Write it again with numpy.save. Received: input="),
-        ("m.keras", "short.npy", "'{folder}/short.npy' is damaged: it is not a readable .npy file."),
-        ("m.keras", "short.h5", "'{folder}/short.h5' is damaged: it is not a readable HDF5 file. Check it, or write it again. Received: input="),
-        ("m.keras", "some_damaged", "The image '{folder}/some_damaged/im5.png' could not be read: it is damaged or not an image (UnidentifiedImageError). Replace or remove it, and start a new output file. Received: image="),
-        ("saved_model", "x.npy", "'{folder}/saved_model' is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as a .keras file"),
+        ("m.keras", "objects.npy", "The input holds Python objects, which are never unpickled. Save numbers instead. Received: input='{folder}/objects.npy'"),
+        ("m.keras", "garbage.npy", "The input is not a readable .npy file. Write it again with numpy.save. Received: input='{folder}/garbage.npy'"),
+        ("m.keras", "short.npy", "not a readable .npy file. Write it again with numpy.save. Received: input='{folder}/short.npy'"),
+        ("m.keras", "short.h5", "The input is not a readable HDF5 file. Write it again. Received: input='{folder}/short.h5'"),
+        ("m.keras", "some_damaged", "An image could not be read (UnidentifiedImageError). Replace or remove it, and start a new output file. Received: image='{folder}/some_damaged/im5.png'"),
+        ("saved_model", "x.npy", "is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as .keras or use keras.layers.TFSMLayer. Received: model='{folder}/saved_model'"),
         ("a_folder", "x.npy", "'{folder}/a_folder' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model="),
     ],
 )
@@ -511,5 +511,5 @@ def test_damaged_inputs_and_wrong_models_are_named(files, model, source, message
 def test_an_image_folder_without_pillow_says_how_to_install_it(files, monkeypatch):
     folder, _, _ = files
     monkeypatch.setitem(sys.modules, "PIL.Image", None)  # as if Pillow were not installed
-    with pytest.raises(ValueError, match=r"needs Pillow\. Install it with: pip install 'kerasmulti\[images\]'\. Received: input="):
+    with pytest.raises(ValueError, match=r"Reading images needs Pillow: pip install 'kerasmulti\[images\]'\. Received: input="):
         _predict(folder, "m.keras", "images")

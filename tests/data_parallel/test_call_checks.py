@@ -35,8 +35,8 @@ def _two_inputs():
 @pytest.mark.parametrize(
     "arguments, match",
     [
-        (dict(optimizer="nope", loss="mse"), r"does not know the optimizer 'nope'.*Received: optimizer='nope'"),
-        (dict(optimizer="sgd", loss="nonexistent_loss"), r"does not know the loss.*Received: loss='nonexistent_loss'"),
+        (dict(optimizer="nope", loss="mse"), r"does not know this optimizer.*'adam'.*Received: optimizer='nope'"),
+        (dict(optimizer="sgd", loss="nonexistent_loss"), r"does not know this loss.*Received: loss='nonexistent_loss'"),
         (dict(optimizer="sgd", loss={"x": "mse", "y": "nope"}), r"Received: loss='nope'"),
         (dict(optimizer="sgd", loss="mse", steps_per_execution=0), r"positive int.*Received: steps_per_execution=0"),
     ],
@@ -64,7 +64,7 @@ def test_fit_and_evaluate_need_a_compiled_model():
     [
         (dict(epochs="3"), r"epochs as an int.*Received: epochs='3'"),
         (dict(epochs=-1), r"Received: epochs=-1"),
-        (dict(validation_split=1.5), r"fraction from 0 up to.*Received: validation_split=1.5"),
+        (dict(validation_split=1.5), r"validation_split as a fraction in \[0, 1\).*Received: validation_split=1.5"),
         (dict(batch_size=0), r"fit\(\) needs batch_size as a positive int.*Received: batch_size=0"),
         (dict(batch_size=4.5), r"Received: batch_size=4.5"),
         (dict(validation_batch_size=-2, validation_split=0.25), r"Received: validation_batch_size=-2"),
@@ -95,7 +95,7 @@ def test_predict_and_evaluate_refuse_a_batch_size_of_zero():
 
 def test_rows_must_agree_and_exist():
     x, y = _xy(10)
-    with pytest.raises(ValueError, match=r"different numbers of rows \(x 10, y 8\).*Received: rows x 10, y 8"):
+    with pytest.raises(ValueError, match=r"x arrays with different numbers of rows.*one per sample.*Received: rows x 10, y 8"):
         _parallel().fit(x, y[:8], verbose=0)
     with pytest.raises(ValueError, match=r"Received: rows x 10, y 10, sample_weight 7"):
         _parallel().fit(x, y, sample_weight=np.ones(7), verbose=0)
@@ -107,11 +107,11 @@ def test_rows_must_agree_and_exist():
 
 def test_inputs_are_checked_against_the_model():
     x, y = _xy(features=5)
-    with pytest.raises(ValueError, match=r"rows of shape \(5,\).*takes rows of shape \(4,\).*Received: x.shape=\(8, 5\)"):
+    with pytest.raises(ValueError, match=r"rows of shape \(5,\).*which takes \(4,\).*Reshape it.*Received: x.shape=\(8, 5\)"):
         _parallel().fit(x, y, verbose=0)
-    with pytest.raises(ValueError, match=r"got text as x.*takes float32 numbers.*Received: dtype=<U1"):
+    with pytest.raises(ValueError, match=r"got text as x.*of dtype float32.*StringLookup.*Received: dtype=<U1"):
         _parallel().fit(np.full((8, 4), "a"), y, verbose=0)
-    with pytest.raises(ValueError, match=r"got 2 arrays as x, but model 'net' takes 1 input.*Received: x with 2 arrays"):
+    with pytest.raises(ValueError, match=r"got 2 arrays as x, but model 'net' takes .*Pass one per input.*Received: x with 2 arrays"):
         _parallel().fit([x[:, :4], x[:, :4]], y, verbose=0)
     with pytest.raises(ValueError, match=r"validation_data rows of shape \(3,\).*Received: validation_data.shape=\(8, 3\)"):
         _parallel().fit(x[:, :4], y, validation_data=(x[:, :3], y), verbose=0)
@@ -120,7 +120,7 @@ def test_inputs_are_checked_against_the_model():
 def test_a_dict_of_inputs_needs_every_input():
     parallel = _two_inputs()
     parallel.compile("sgd", "mse")
-    with pytest.raises(ValueError, match=r"without the input\(s\) \['b'\] of model 'two'.*Received: x keys=\['a', 'c'\]"):
+    with pytest.raises(ValueError, match=r"without the input\(s\) \['b'\] of model 'two'.*Add them by name.*Received: x keys=\['a', 'c'\]"):
         parallel.fit({"a": np.zeros((8, 3)), "c": np.zeros((8, 2))}, np.zeros((8, 1)), verbose=0)
     parallel.fit({"a": np.zeros((8, 3)), "b": np.zeros((8, 2))}, np.zeros((8, 1)), verbose=0)
 
@@ -138,7 +138,7 @@ def test_keras_rank_adjustment_and_text_models_are_taken():
 
 def test_y_is_needed_for_a_compiled_loss():
     x, _ = _xy()
-    with pytest.raises(ValueError, match=r"got x without y, but model 'net' is compiled with a loss.*Received: y=None"):
+    with pytest.raises(ValueError, match=r"got x without y, but model 'net' has a loss.*loss=None.*Received: y=None"):
         _parallel().fit(x, verbose=0)
 
 
@@ -162,20 +162,20 @@ def test_a_model_with_its_own_train_step_trains_without_y():
 
 def test_targets_are_checked_against_the_output():
     x, _ = _xy()
-    with pytest.raises(ValueError, match=r"targets with 3 values per row.*output has 2.*Received: y.shape=\(8, 3\)"):
+    with pytest.raises(ValueError, match=r"got 3 target values per row.*output has 2.*Use shape \(2,\).*Received: y.shape=\(8, 3\)"):
         _parallel().fit(x, np.zeros((8, 3)), verbose=0)
-    with pytest.raises(ValueError, match=r"evaluate\(\) got targets with 5 values per row"):
+    with pytest.raises(ValueError, match=r"evaluate\(\) got 5 target values per row"):
         _parallel().evaluate(x, np.zeros((8, 5)), verbose=0)
     _parallel().fit(x, np.zeros((8, 1)), verbose=0)  # broadcast, as Keras does
 
 
 def test_sparse_labels_must_be_classes_of_the_output():
     x, _ = _xy()
-    with pytest.raises(ValueError, match=r"labels from 0 to 5.*3 classes \(0 to 2\).*Received: y labels 0 to 5"):
+    with pytest.raises(ValueError, match=r"labels outside classes 0 to 2.*use 6 units.*Received: y labels 0 to 5"):
         _parallel(3, "softmax", "sparse_categorical_crossentropy").fit(x, np.array([0, 1, 2, 5] * 2), verbose=0)
     ignoring = _parallel(3, "softmax", keras.losses.SparseCategoricalCrossentropy(ignore_class=-1))
     ignoring.fit(x, np.array([0, 1, 2, -1] * 2), verbose=0)
-    with pytest.raises(ValueError, match=r"class_weight for class 7.*predicts 3 classes.*Received: class_weight keys=\[0, 7\]"):
+    with pytest.raises(ValueError, match=r"class_weight for class 7.*has classes 0 to 2.*Received: class_weight keys=\[0, 7\]"):
         _parallel(3, "softmax", "sparse_categorical_crossentropy").fit(x, np.arange(8) % 3, class_weight={0: 1.0, 7: 2.0}, verbose=0)
 
 
@@ -184,21 +184,21 @@ def test_every_output_with_a_loss_needs_a_target():
     outputs = {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(1, name="b")(inputs)}
     parallel = kerasmulti.parallelize(keras.Model(inputs, outputs, name="heads"), gpus=2)
     parallel.compile("sgd", {"a": "mse", "b": "mse"})
-    with pytest.raises(ValueError, match=r"targets for \['a'\] but not for \['b'\].*Received: y keys=\['a'\]"):
+    with pytest.raises(ValueError, match=r"no target for output\(s\) \['b'\].*Received: y keys=\['a'\]"):
         parallel.fit(_xy()[0], {"a": np.zeros((8, 1))}, verbose=0)
 
 
 def test_embedding_indices_must_be_rows_of_the_embedding():
     model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(5, 2, name="words"), keras.layers.Flatten()])
     parallel = kerasmulti.parallelize(model, gpus=2)
-    with pytest.raises(ValueError, match=r"index 9 in x for Embedding 'words'.*rows 0 to 4.*Received: x values 1 to 9"):
+    with pytest.raises(ValueError, match=r"index 9 for Embedding 'words' \(rows 0 to 4\).*input_dim.*Received: x values 1 to 9"):
         parallel.predict(np.array([[1, 2, 3], [4, 9, 1]]), verbose=0)
     assert parallel.predict(np.array([[1, 2, 3], [4, 0, 1]]), verbose=0).shape == (2, 6)
 
 
 def test_a_dataset_must_be_batched():
     x, y = _xy()
-    with pytest.raises(ValueError, match=r"tf.data.Dataset of single rows.*dataset.batch\(32\).*Received: element shape=\(4,\)"):
+    with pytest.raises(ValueError, match=r"Dataset of single rows.*dataset.batch\(32\).*Received: element shape=\(4,\)"):
         _parallel().fit(tf.data.Dataset.from_tensor_slices((x, y)), verbose=0)
     _parallel().fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0)
 

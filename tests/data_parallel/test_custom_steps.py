@@ -486,7 +486,7 @@ def test_a_model_without_call_is_refused_across_workers(monkeypatch):
     from kerasmulti._src import parallelize as _parallelize
 
     monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
-    with pytest.raises(ValueError, match=r"runs data-parallel in one process only.*Received: model='gan.*' with built=False"):
+    with pytest.raises(ValueError, match=r"needs a built model: a custom train_step runs in one process only.*Received: model='gan.*' with built=False"):
         kerasmulti.parallelize(_gan(GAN, 1))
 
 

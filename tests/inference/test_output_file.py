@@ -81,7 +81,7 @@ def test_paths_that_name_no_file_are_refused(tmp_path, monkeypatch, output):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "existing").mkdir()
     message = r"empty output path.*Received: output=''" if not output else (
-        rf"the folder '{output}' as output.*output='{os.path.join(output, 'features.h5')}'.*Received: output='{output}'"
+        rf"output is a folder.*output='{os.path.join(output, 'features.h5')}'.*Received: output='{output}'"
     )
     with pytest.raises(ValueError, match=message):
         kerasmulti.parallel_predict(_model(), _data(4), output=output, verbose=0)
@@ -89,7 +89,7 @@ def test_paths_that_name_no_file_are_refused(tmp_path, monkeypatch, output):
 
 
 def test_an_output_that_is_not_a_path_is_refused():
-    with pytest.raises(TypeError, match=r"output must be the path of an HDF5 file.*Received: output=3"):
+    with pytest.raises(TypeError, match=r"output must be an HDF5 file path or None.*Received: output=3"):
         kerasmulti.parallel_predict(_model(), _data(4), output=3, verbose=0)
 
 
@@ -124,7 +124,7 @@ def test_an_hdf5_file_parallel_predict_did_not_write_is_left_alone(tmp_path):
     with h5py.File(path, "w") as f:
         f["images"] = np.ones((4, 6))
     before = path.read_bytes()
-    with pytest.raises(ValueError, match=r"theirs.h5' is an HDF5 file that parallel_predict\(\) did not write.*Received: output="):
+    with pytest.raises(ValueError, match=r"parallel_predict\(\) did not write this HDF5 output file.*Received: output='.*theirs.h5'"):
         kerasmulti.parallel_predict(_model(), _data(4), output=str(path), verbose=0)
     assert path.read_bytes() == before
 
@@ -159,7 +159,7 @@ def test_a_full_disk_on_resume_stops_before_writing_and_keeps_the_rows(tmp_path,
         _output_file.set_rows_done(f, 8)
     before = path.read_bytes()
     _full_disk(monkeypatch)
-    with pytest.raises(ValueError, match=r"cannot resume '.*out.h5': the disk has no room.*the rows written so far stay\. Received: output="):
+    with pytest.raises(ValueError, match=r"cannot resume: the disk is full.*Free space.*written rows stay\. Received: output='.*out.h5'"):
         kerasmulti.parallel_predict(model, x, batch_size=4, output=str(path), verbose=0)
     assert path.read_bytes() == before
     monkeypatch.undo()
@@ -175,7 +175,7 @@ def test_extra_is_checked_before_anything_is_written(tmp_path):
         (ValueError, {"names": np.int64(7)}, r"extra 'names' has no rows.*Received: extra\['names'\]\.shape=\(\), rows=10$"),
         (TypeError, ["a"], r"extra must be a dict of arrays.*Received: extra=\['a'\]$"),
         (ValueError, {"score": np.arange(10)}, r"extra \['score'\] has the name of a model output.*\['features', 'score'\].*Received: extra=\{'score': \.\.\.\}$"),
-        (ValueError, {"a/b": np.arange(10)}, r"keys name datasets.*without '/'.*Received: extra=\{'a/b': \.\.\.\}$"),
+        (ValueError, {"a/b": np.arange(10)}, r"keys must be non-empty strings without '/'.*Received: extra=\{'a/b': \.\.\.\}$"),
     ]
     for error, extra, message in refused:
         with pytest.raises(error, match=message):

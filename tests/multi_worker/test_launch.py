@@ -170,15 +170,15 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
         (["--hosts", "a:1,b:2"], "Received: index=None"),
         (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
         (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
-        (["--workers", "2", "--index", "1"], "so it needs --hosts. Pass --hosts too, or drop --index. Received: index=1"),
+        (["--workers", "2", "--index", "1"], "--index needs --hosts. Pass --hosts too, or drop --index. Received: index=1"),
         (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
         (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
-         "Drop --devices-per-worker. Received: devices_per_worker=2"),
+         "--devices-per-worker works with --workers only. Drop it. Received: devices_per_worker=2"),
         ([], "needs to know the workers. Pass --workers N"),
         (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
-        (["--workers", "2", "--max-restarts", "-1"], "an int of 0 or more: how many times the workers are all started again"),
+        (["--workers", "2", "--max-restarts", "-1"], "max_restarts must be an int of 0 or more. Received: max_restarts=-1"),
         (["--hosts", "a:1,b:2", "--index", "0", "--max-restarts", "1"],
-         "restarted with the whole job by its scheduler (SLURM: sbatch --requeue), and resumes from its backup. "
+         "--max-restarts works with --workers only; a cluster's scheduler restarts its workers (sbatch --requeue). "
          "Drop --max-restarts, or use --workers. Received: max_restarts=1"),
     ],
 )
@@ -354,11 +354,11 @@ def test_a_function_that_calls_sys_exit_ends_its_worker_as_a_script(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     raised = [line for line in result.stdout.splitlines() if line.startswith("launch")]
     assert raised == [
-        "launch raised Worker 0 of 2 failed (its output is above, prefixed [worker 0]); the others were stopped. "
+        "launch raised Worker 0 of 2 failed (output above, as [worker 0]); the others were stopped. "
         "Received: exitcode=3",
         "launch returned [None, 'returned']",  # sys.exit(0) is a success, with no value
         # The launcher's own code for an unpicklable value, when a function exits with it.
-        f"launch raised Worker 0 of 2 failed (its output is above, prefixed [worker 0]); the others were stopped. "
+        f"launch raised Worker 0 of 2 failed (output above, as [worker 0]); the others were stopped. "
         f"Received: exitcode={_launch.UNSENDABLE}",
     ]
     assert "[worker 0] SystemExit: 3" in result.stdout and "Traceback" not in result.stdout + result.stderr

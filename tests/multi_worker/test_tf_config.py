@@ -133,9 +133,9 @@ def test_a_slurm_task_on_a_node_outside_its_step_is_refused(monkeypatch):
     "rank, local, message",
     [
         ("5", "5", r"rank is not one of the job step's 2 task\(s\) \(0 to 1\).*Received: SLURM_PROCID='5'"),
-        ("1", "5", r"local id on vm is not one of the 2 task\(s\) the job step runs there \(0 to 1\)\. "
-                   r"Run `kerasmulti launch` directly under srun.*Received: SLURM_LOCALID='5'"),
-        ("1", "x", r"local id on vm is not one of the 2 task\(s\).*Received: SLURM_LOCALID='x'"),
+        ("1", "5", r"local id on vm is not one of the step's 2 task\(s\) there \(0 to 1\)\. "
+                   r"Run directly under srun.*Received: SLURM_LOCALID='5'"),
+        ("1", "x", r"local id on vm is not one of the step's 2 task\(s\).*Received: SLURM_LOCALID='x'"),
     ],
 )
 def test_a_slurm_task_whose_rank_or_local_id_is_out_of_range_is_refused(monkeypatch, rank, local, message):

@@ -122,19 +122,17 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     ):
         if backup_dir is None or backup_dir == "":
             raise ValueError(
-                "Empty `backup_dir` argument passed (Keras' words): ParallelBackupAndRestore needs the "
-                "folder to keep its backup in, such as 'backup' (the "
-                f"same one each time the script runs). Received: backup_dir={backup_dir!r}"
+                "Empty `backup_dir` argument passed: ParallelBackupAndRestore needs a folder to keep its backup in, "
+                f"such as 'backup'. Received: backup_dir={backup_dir!r}"
             )
         if not isinstance(backup_dir, (str, os.PathLike)):
             raise TypeError(
-                "ParallelBackupAndRestore's backup_dir must be a folder path, such as 'backup'. "
+                "ParallelBackupAndRestore's backup_dir must be a folder path, e.g. 'backup'. "
                 f"Received: backup_dir={backup_dir!r}"
             )
         if save_freq != "epoch" and _arguments.is_int(save_freq) and save_freq < 1:
             raise ValueError(
-                "ParallelBackupAndRestore's save_freq must be 'epoch' or a positive int (batches "
-                f"between backups). Received: save_freq={save_freq!r}"
+                f"ParallelBackupAndRestore's save_freq must be 'epoch' or a positive int. Received: save_freq={save_freq!r}"
             )
         _arguments.check_bool(double_checkpoint, "ParallelBackupAndRestore", "double_checkpoint", "keep the previous backup too")
         _arguments.check_bool(delete_checkpoint, "ParallelBackupAndRestore", "delete_checkpoint", "delete the backup at the end")
@@ -209,20 +207,20 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         if not os.path.exists(previous):
             raise OSError(
                 f"ParallelBackupAndRestore cannot resume: '{damaged.path}' is damaged ({damaged.reason}) "
-                f"and there is no previous backup. Delete '{self.backup_dir}' to start over. "
+                f"and there is no previous backup. Delete backup_dir to start over. "
                 f"Received: backup_dir={self.backup_dir!r}"
             ) from damaged.reason
         warnings.warn(
-            f"The backup '{damaged.path}' is damaged ({damaged.reason}); resuming from the previous "
-            f"one, '{previous}', one save earlier. Received: backup_dir={self.backup_dir!r}",
+            f"The backup '{damaged.path}' is damaged ({damaged.reason}); resuming from the previous one. "
+            f"Received: backup_dir={self.backup_dir!r}",
             stacklevel=3,
         )
         try:
             epoch = self._restore(previous, paths["previous_metadata"])
         except _Damaged as too:
             raise OSError(
-                f"ParallelBackupAndRestore cannot resume: '{damaged.path}' and the previous backup, "
-                f"'{too.path}', are both damaged ({too.reason}). Delete '{self.backup_dir}' to start over. "
+                f"ParallelBackupAndRestore cannot resume: '{damaged.path}' and the previous backup are both "
+                f"damaged ({too.reason}). Delete backup_dir to start over. "
                 f"Received: backup_dir={self.backup_dir!r}"
             ) from too.reason
         if _cluster.is_chief():
@@ -279,9 +277,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _refuse(self, weights: str, reason: str):
         raise ValueError(
-            f"ParallelBackupAndRestore cannot resume from '{weights}': it does not fit the model being "
-            f"trained ({reason}). Build the model as it was, or delete '{self.backup_dir}' to start over. "
-            f"The backup is left as it is. Received: backup_dir={self.backup_dir!r}"
+            f"ParallelBackupAndRestore cannot resume from '{weights}': it does not fit the model being trained "
+            f"({reason}). Build the model as it was, or delete backup_dir to start over. Received: backup_dir={self.backup_dir!r}"
         ) from None
 
     def _save_model(self):

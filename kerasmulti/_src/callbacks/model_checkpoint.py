@@ -40,8 +40,8 @@ class _TemplateFirst(type):
         template, args = args[0], args[1:]
         if not args and "filepath" not in kwargs:
             raise TypeError(
-                f"{cls.__name__} got a model to save but no filepath. Pass one after the model: "
-                f"{cls.__name__}(model, 'model.keras'). Received: template_model={template!r}"
+                f"{cls.__name__} got a model but no filepath. Pass one: {cls.__name__}(model, 'model.keras'). "
+                f"Received: template_model={template!r}"
             )
         callback = super().__call__(*args, **kwargs)
         callback._template = unwrap(template)
@@ -127,35 +127,34 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
     ):
         if not isinstance(filepath, (str, os.PathLike)):
             raise TypeError(
-                "ParallelModelCheckpoint's filepath must be a path such as 'model.keras' "
-                f"(in the Keras 2 form, after the model). Received: filepath={filepath!r}"
+                "ParallelModelCheckpoint's filepath must be a path (after the model, if any). "
+                f"Received: filepath={filepath!r}"
             )
         check_local(filepath, "ParallelModelCheckpoint", "filepath")
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(
-                "ParallelModelCheckpoint's save_freq must be 'epoch' or a positive int (batches "
-                f"between saves). Received: save_freq={save_freq!r}"
+                "ParallelModelCheckpoint's save_freq must be 'epoch' or a positive int. "
+                f"Received: save_freq={save_freq!r}"
             )
         if not isinstance(monitor, str):
             raise TypeError(
-                "ParallelModelCheckpoint's monitor must be the name of a logged metric, such as "
-                f"'val_loss'. Received: monitor={monitor!r}"
+                "ParallelModelCheckpoint's monitor must be a metric name, e.g. 'val_loss'. "
+                f"Received: monitor={monitor!r}"
             )
         if mode not in ("auto", "min", "max"):
             # Keras warns and falls back to "auto", which may save the worst model as the best.
             raise ValueError(
-                "ParallelModelCheckpoint's mode must be 'min' (lower is better), 'max', or 'auto' (from "
-                f"the metric's name). Received: mode={mode!r}"
+                f"ParallelModelCheckpoint's mode must be 'min', 'max' or 'auto'. Received: mode={mode!r}"
             )
         if verbose not in (0, 1) or isinstance(verbose, bool):
             # Keras compares it with 0 only once it saves, after the first epoch.
             raise ValueError(
-                f"ParallelModelCheckpoint's verbose must be 0 (silent) or 1 (a line per save). Received: verbose={verbose!r}"
+                f"ParallelModelCheckpoint's verbose must be 0 or 1. Received: verbose={verbose!r}"
             )
         if initial_value_threshold is not None and not _arguments.is_real(initial_value_threshold):
             raise TypeError(
-                "ParallelModelCheckpoint's initial_value_threshold must be a number (the monitored "
-                f"value to beat), or None. Received: initial_value_threshold={initial_value_threshold!r}"
+                "ParallelModelCheckpoint's initial_value_threshold must be a number or None. "
+                f"Received: initial_value_threshold={initial_value_threshold!r}"
             )
         super().__init__(
             filepath, monitor, verbose, save_best_only, save_weights_only, mode, save_freq, initial_value_threshold
@@ -196,8 +195,7 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         # logs is legitimate; Keras warns at save time if it is missing.
         if self.save_best_only and self.mode == "auto" and self.monitor not in known:
             raise ValueError(
-                f"ParallelModelCheckpoint monitors '{self.monitor}', which this model does not report. "
-                f"Pass one of {sorted(known)} (val_ ones need validation data). "
+                f"ParallelModelCheckpoint's monitor is one this model does not report. Pass one of {sorted(known)}. "
                 f"Received: monitor={self.monitor!r}"
             )
         # Batch-level saves fill the filepath in from the batch's logs, which have no val_ metrics.
@@ -208,8 +206,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         missing = sorted(self._names - available)
         if missing:
             raise ValueError(
-                f"ParallelModelCheckpoint's filepath names {missing}, which {why}. Use names from "
-                f"{sorted(available)}, or an int save_freq for {{batch}}. Received: filepath={self.filepath!r}"
+                f"ParallelModelCheckpoint's filepath names {missing}, which {why}. Use {sorted(available)}. "
+                f"Received: filepath={self.filepath!r}"
             )
 
     def _save_model(self, epoch, batch, logs):
@@ -228,8 +226,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
     def _write(self, filepath: str) -> None:
         if os.path.isdir(filepath):
             raise IsADirectoryError(
-                f"ParallelModelCheckpoint's filepath, filled in, is the existing folder '{filepath}'. "
-                f"Remove it or change the filepath. Received: filepath={self.filepath!r}"
+                f"ParallelModelCheckpoint's filled-in filepath '{filepath}' is a folder. Remove it or change the filepath. "
+                f"Received: filepath={self.filepath!r}"
             )
         writer = self._saved.save_weights if self.save_weights_only else self._saved.save
 
@@ -265,8 +263,7 @@ def _fields(filepath: str) -> tuple[set, str]:
         # Refused here because every save would fail. Python's own error says
         # which field is wrong, e.g. `{loss:d}`: logged values are floats.
         raise ValueError(
-            f"ParallelModelCheckpoint cannot fill in its filepath ({error}). Use fields such as "
-            "{epoch:02d} or {val_loss:.2f}, and {{ for a literal brace. "
+            f"ParallelModelCheckpoint cannot fill in its filepath ({error}). Use fields like {{epoch:02d}}. "
             f"Received: filepath={filepath!r}"
         ) from None
     return trial.names, path
@@ -278,8 +275,7 @@ def check_local(path, caller: str, name: str) -> None:
         # Each save renames a finished temporary over the target, which
         # remote storage cannot do atomically.
         raise ValueError(
-            f"{caller} writes local files only. Write to a local or mounted folder, and copy "
-            f"to remote storage from there. Received: {name}={path!r}"
+            f"{caller} writes local files only. Use a local or mounted folder. Received: {name}={path!r}"
         )
 
 
@@ -292,19 +288,16 @@ def check_target(path, caller: str, name: str, value, folder: bool = False) -> N
     path = os.path.abspath(path)
     if not folder and os.path.isdir(path):
         raise ValueError(
-            f"{caller}'s {name} is an existing folder, where a file must go. "
-            f"Name a file, or remove that folder. Received: {name}={value!r}"
+            f"{caller}'s {name} is an existing folder, where a file must go. Name a file. Received: {name}={value!r}"
         )
     existing = path if folder else os.path.dirname(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(
-            f"{caller} cannot create the folder for its {name}: '{existing}' is a file. "
-            f"Remove that file or pick another folder. Received: {name}={value!r}"
+            f"{caller} cannot create the folder for its {name}: '{existing}' is a file. Remove it. Received: {name}={value!r}"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(
-            f"{caller} cannot write into '{existing}': permission denied. "
-            f"Fix the folder's permissions or pick another folder. Received: {name}={value!r}"
+            f"{caller} cannot write into '{existing}': permission denied. Pick another folder. Received: {name}={value!r}"
         )

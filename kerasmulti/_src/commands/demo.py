@@ -31,8 +31,8 @@ def _digits():
         from sklearn.datasets import load_digits
     except ImportError as error:
         raise SystemExit(
-            "The demo trains on scikit-learn's bundled digits, but scikit-learn "
-            "is not installed. Install it with: pip install 'kerasmulti[demo]'. Received: scikit-learn=None"
+            "The demo needs scikit-learn's digits, but scikit-learn is not installed. "
+            "Run pip install 'kerasmulti[demo]'. Received: scikit-learn=None"
         ) from error
     digits = load_digits()
     x = (digits.images / 16.0).astype("float32")[..., None]
@@ -105,14 +105,14 @@ def run(gpus=None, epochs: int = 5, batch_size: int = 128, output: str = "kerasm
     """Runs the demo; returns the process exit code."""
     if os.path.exists(output) and not os.path.isdir(output):
         raise ValueError(
-            f"demo --output names the folder the trained model is saved in, but {output} is a file. "
+            f"demo --output must be a folder for the trained model, but it is a file. "
             f"Pass a folder (it is made if missing). Received: output={output!r}"
         )
     try:
         os.makedirs(output, exist_ok=True)  # before training: a folder it cannot make fails now
     except OSError as error:
         raise ValueError(
-            f"demo --output names the folder the trained model is saved in, and '{output}' cannot be made "
+            f"demo --output must be a folder for the trained model, but it cannot be made "
             f"({error.strerror}). Pass a folder this user can write. Received: output={output!r}"
         ) from error
     (x_train, y_train), (x_test, y_test) = _digits()

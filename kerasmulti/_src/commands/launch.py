@@ -35,16 +35,14 @@ def run(args) -> int:
     if args.max_restarts:
         # Each machine runs its own launcher: one alone cannot restart the cluster.
         raise LaunchError(
-            "--max-restarts restarts the local workers that --workers starts. A worker of a real "
-            "cluster is restarted with the whole job by its scheduler (SLURM: sbatch --requeue), "
-            "and resumes from its backup. Drop --max-restarts, or use --workers. "
+            "--max-restarts works with --workers only; a cluster's scheduler restarts its workers "
+            "(sbatch --requeue). Drop --max-restarts, or use --workers. "
             f"Received: max_restarts={args.max_restarts}"
         )
     if args.devices_per_worker is not None:
         # It splits the GPUs of this machine among the workers --workers starts.
         raise LaunchError(
-            "--devices-per-worker works with --workers only; a worker of a real cluster uses the "
-            "GPUs it sees (CUDA_VISIBLE_DEVICES). Drop --devices-per-worker. "
+            "--devices-per-worker works with --workers only. Drop it. "
             f"Received: devices_per_worker={args.devices_per_worker}"
         )
     if args.hosts is not None:
@@ -55,8 +53,8 @@ def run(args) -> int:
         config = slurm_tf_config(args.port)
     else:
         raise LaunchError(
-            "kerasmulti launch needs to know the workers. Pass --workers N, or --hosts with --index, "
-            "or run it under srun or with TF_CONFIG set. Received: workers=None"
+            "kerasmulti launch needs to know the workers. Pass --workers N or --hosts with --index, "
+            "or use srun or TF_CONFIG. Received: workers=None"
         )
     return run_one(command, {**os.environ, ENV_CONFIG: config, ENV_JOIN: "1"})
 
@@ -64,20 +62,18 @@ def run(args) -> int:
 def _check_combination(args) -> None:
     if args.hosts is not None and args.workers is not None:
         raise LaunchError(
-            "Pass either --workers (local processes) or --hosts with --index (one "
-            f"worker of a real cluster), not both. Received: workers={args.workers}, hosts={args.hosts!r}"
+            f"Pass either --workers or --hosts with --index, not both. Received: workers={args.workers}, hosts={args.hosts!r}"
         )
     if args.index is not None and args.hosts is None:
         raise LaunchError(
-            "--index says which of the --hosts this machine is, so it needs --hosts. Pass --hosts "
-            f"too, or drop --index. Received: index={args.index}"
+            f"--index needs --hosts. Pass --hosts too, or drop --index. Received: index={args.index}"
         )
     slurm = in_slurm_step() and args.workers is None and args.hosts is None and not os.environ.get(ENV_CONFIG)
     if args.port is not None and not (slurm and 0 < args.port < 65536):
         # Elsewhere --workers picks free ports and --hosts names them.
         raise LaunchError(
-            "--port (1 to 65535) sets the first port of a SLURM job step's workers, so it needs "
-            f"srun. Run it under srun, or drop --port. Received: port={args.port}"
+            f"--port sets the first port of a SLURM job step's workers. Run it under srun, or drop --port. "
+            f"Received: port={args.port}"
         )
 
 

@@ -27,8 +27,8 @@ def _model_from_file(path: str):
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "saved_model.pb")):
             raise ValueError(
-                f"'{path}' is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as "
-                "a .keras file with the Keras that made it, or wrap it in keras.layers.TFSMLayer. "
+                "The model is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as .keras "
+                "or use keras.layers.TFSMLayer. "
                 f"Received: model={path!r}"
             )
         raise ValueError(f"'{path}' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model={path!r}")
@@ -39,8 +39,8 @@ def _model_from_file(path: str):
         return _portable.load_model(path, compile=False)
     except Exception as error:  # Keras raises many kinds for a bad file
         raise ValueError(
-            f"'{path}' could not be loaded as a Keras model ({type(error).__name__}: "
-            f"{error}). Pass a .keras or .h5 model file. Received: model={path!r}"
+            f"The file could not be loaded as a Keras model ({type(error).__name__}: "
+            f"{error}). Pass a .keras or .h5 file. Received: model={path!r}"
         ) from error
 
 
@@ -49,8 +49,7 @@ def _hdf5_input(path: str, name: str | None, stack):
         f = stack.enter_context(h5py.File(path, "r"))
     except OSError as error:
         raise ValueError(
-            f"'{path}' is damaged: it is not a readable HDF5 file. Check it, or write "
-            f"it again. Received: input={path!r}"
+            f"The input is not a readable HDF5 file. Write it again. Received: input={path!r}"
         ) from error
     names = []
     f.visititems(lambda key, item: names.append(key) if isinstance(item, h5py.Dataset) else None)
@@ -71,12 +70,12 @@ def _npy_input(path: str) -> np.ndarray:
         if _holds_objects(path):
             # Unpickling can run code.
             raise ValueError(
-                f"'{path}' holds Python objects, which kerasmulti does not unpickle. Save a numeric "
-                f"array with numpy.save. Received: input={path!r}"
+                f"The input holds Python objects, which are never unpickled. Save numbers instead. "
+                f"Received: input={path!r}"
             ) from error
         raise ValueError(
-            f"'{path}' is damaged: it is not a readable .npy file. Write it again with "
-            f"numpy.save. Received: input={path!r}"
+            f"The input is not a readable .npy file. Write it again with numpy.save. "
+            f"Received: input={path!r}"
         ) from error
 
 
@@ -109,8 +108,7 @@ class ImageFolder(keras.utils.PyDataset):
             importlib.import_module("PIL.Image")  # what keras.utils.load_img reads with
         except ImportError as error:
             raise ValueError(
-                "Reading a folder of images needs Pillow. Install it with: "
-                f"pip install 'kerasmulti[images]'. Received: input={folder!r}"
+                f"Reading images needs Pillow: pip install 'kerasmulti[images]'. Received: input={folder!r}"
             ) from error
         self.paths = sorted(
             os.path.join(folder, name)
@@ -139,8 +137,7 @@ class ImageFolder(keras.utils.PyDataset):
             # Replacing or removing an image changes the input, and an output
             # file begun on the old input is refused (its fingerprint differs).
             raise ValueError(
-                f"The image '{path}' could not be read: it is damaged or not an image "
-                f"({type(error).__name__}). Replace or remove it, and start a new output file. "
+                f"An image could not be read ({type(error).__name__}). Replace or remove it, and start a new output file. "
                 f"Received: image={path!r}"
             ) from error
         return keras.utils.img_to_array(image)
@@ -150,8 +147,7 @@ def _image_input(args, model, extra: dict):
     shape = tuple(model.inputs[0].shape[1:])
     if len(shape) != 3 or None in shape[:2]:
         raise ValueError(
-            f"A folder of images needs a model with one image input of known "
-            f"height and width; '{args.model}' takes {shape}. "
+            f"A folder of images needs a model with one image input of known size; '{args.model}' takes {shape}. "
             f"Received: input={args.input!r}"
         )
     data = ImageFolder(args.input, shape[0], shape[1], shape[2] or 3, args.batch_size)
@@ -170,8 +166,8 @@ def run(args) -> int:
         elif args.input.endswith(".npy"):
             if args.dataset is not None:
                 raise ValueError(
-                    f"--dataset names a dataset inside an HDF5 input; '{args.input}' is a .npy file, which "
-                    f"holds one array. Drop --dataset. Received: dataset={args.dataset!r}"
+                    f"--dataset is for HDF5 inputs, but '{args.input}' is a .npy file. Drop it. "
+                    f"Received: dataset={args.dataset!r}"
                 )
             data = _npy_input(args.input)
         elif args.input.endswith((".h5", ".hdf5")):

@@ -49,14 +49,13 @@ def resolve(split, devices: list[str]):
         if len(split) != len(devices):
             raise ValueError(
                 f"split has {len(split)} weight(s) but the model runs on {len(devices)} "
-                f"device(s) ({', '.join(devices)}). Give one weight per device. "
+                f"device(s) ({', '.join(devices)}). Give one per device. "
                 f"Received: split={list(split)}"
             )
         total = float(sum(split))
         return tuple(float(w) / total for w in split)
     raise ValueError(
-        "split must be 'even', 'auto' or a list of one positive weight per device "
-        f"(e.g. [2, 1] for a device twice as fast). Received: split={split!r}"
+        f"split must be 'even', 'auto' or a list of one positive weight per device. Received: split={split!r}"
     )
 
 

@@ -37,8 +37,8 @@ def check_compile(args, kwargs) -> None:
             keras.optimizers.get(optimizer)
         except ValueError:
             raise ValueError(
-                f"compile() does not know the optimizer '{optimizer}'. Pass a Keras optimizer's name "
-                f"('adam', 'sgd', 'rmsprop', ...) or an optimizer object. Received: optimizer={optimizer!r}"
+                f"compile() does not know this optimizer. Pass e.g. 'adam' or an object. "
+                f"Received: optimizer={optimizer!r}"
             ) from None
     for name in tree.flatten(loss):
         if isinstance(name, str) and name.lower() not in ("crossentropy", "ce"):
@@ -46,13 +46,13 @@ def check_compile(args, kwargs) -> None:
                 keras.losses.get(name)
             except ValueError:
                 raise ValueError(
-                    f"compile() does not know the loss '{name}'. Pass a Keras loss's name ('mse', "
-                    f"'sparse_categorical_crossentropy', ...), a loss object or a function. Received: loss={name!r}"
+                    f"compile() does not know this loss. Pass a Keras name ('mse'), object or function. "
+                    f"Received: loss={name!r}"
                 ) from None
     steps = arguments.get("steps_per_execution", 1)
     if not is_positive_int(steps):
         raise ValueError(
-            "compile() needs steps_per_execution as a positive int (batches per compiled call). "
+            "compile() needs steps_per_execution as a positive int. "
             f"Received: steps_per_execution={steps!r}"
         )
 
@@ -63,14 +63,13 @@ def check_fit(model, arguments: dict) -> None:
     epochs = arguments["epochs"]
     if not (is_int(epochs) and epochs >= 0):
         raise ValueError(
-            "fit() needs epochs as an int: the index of the epoch to stop at (0 trains none). "
+            "fit() needs epochs as an int >= 0, the epoch to stop at. "
             f"Received: epochs={epochs!r}"
         )
     split = arguments["validation_split"]
     if split and not (is_real(split) and 0 <= split < 1):
         raise ValueError(
-            "fit() needs validation_split as a fraction from 0 up to, but not including, 1: the share of "
-            f"the last rows kept for validation. Received: validation_split={split!r}"
+            f"fit() needs validation_split as a fraction in [0, 1). Received: validation_split={split!r}"
         )
     _check_arrays("fit", model, arguments, "validation_batch_size")
     validation = arguments["validation_data"]
@@ -81,8 +80,7 @@ def check_fit(model, arguments: dict) -> None:
     for key in arguments["class_weight"] or {}:
         if classes and is_int(key) and not 0 <= key < classes:
             raise ValueError(
-                f"fit() got a class_weight for class {key}, but model '{model._template.name}' predicts "
-                f"{classes} classes (0 to {classes - 1}), so it would never apply. Give weights for classes "
+                f"fit() got class_weight for class {key}, but '{model._template.name}' has classes "
                 f"0 to {classes - 1}. Received: class_weight keys={sorted(arguments['class_weight'])}"
             )
 
@@ -101,8 +99,7 @@ def check_predict(model, arguments: dict) -> None:
 def _check_compiled(method: str, model) -> None:
     if not model.compiled:
         raise ValueError(
-            f"{method}() needs a compiled model. Call compile() first, e.g. "
-            f"parallel.compile(optimizer='adam', loss='mse'). Received: compiled=False"
+            f"{method}() needs a compiled model. Call compile() first. Received: compiled=False"
         )
 
 
@@ -117,7 +114,7 @@ def _check_arrays(method: str, model, arguments: dict, *sizes: str) -> None:
         size = arguments[name]
         if size is not None and not is_positive_int(size):
             raise ValueError(
-                f"{method}() needs {name} as a positive int (rows per step) or None (32). Received: {name}={size!r}"
+                f"{method}() needs {name} as a positive int or None. Received: {name}={size!r}"
             )
     _check_data(method, model, data, "x")
 
@@ -137,8 +134,8 @@ def _check_data(method: str, model, data: dict, argument: str) -> None:
     if len({n for counts in rows.values() for n in counts}) > 1:
         sizes = ", ".join(f"{name} {'/'.join(map(str, counts))}" for name, counts in rows.items())
         raise ValueError(
-            f"{method}() got {argument} arrays with different numbers of rows ({sizes}). Every array needs "
-            f"one row per sample: cut or complete them to the same length. Received: rows {sizes}"
+            f"{method}() got {argument} arrays with different numbers of rows. Give one per sample. "
+            f"Received: rows {sizes}"
         )
     if rows["x"][0] == 0:
         raise ValueError(f"{method}() got {argument} arrays with no rows. Pass at least one row. Received: rows=0")
@@ -185,8 +182,7 @@ def _paired(method: str, template, x, argument: str) -> list:
     if len(arrays) != len(named):
         raise ValueError(
             f"{method}() got {len(arrays)} arrays as {argument}, but model '{template.name}' takes "
-            f"{len(named)} input(s) ({', '.join(named)}). Pass one array per input, in that order (or a "
-            f"dict by name). Received: {argument} with {len(arrays)} arrays"
+            f"{', '.join(named)}. Pass one per input. Received: {argument} with {len(arrays)} arrays"
         )
     return [(name, tensor, array) for (name, tensor), array in zip(named.items(), arrays)]
 
@@ -197,18 +193,16 @@ def check_input_keys(method: str, template, x: dict, argument: str = "x") -> Non
     missing = [name for name in named[0] if name not in x] if named else []
     if missing:
         raise ValueError(
-            f"{method}() got {argument} as a dict without the input(s) {missing} of model "
-            f"'{template.name}', which takes {list(named[0])}. Name each array after its input "
-            f"(Input(name=...)). Received: {argument} keys={sorted(x, key=str)}"
+            f"{method}() got {argument} without the input(s) {missing} of model '{template.name}'. "
+            f"Add them by name. Received: {argument} keys={sorted(x, key=str)}"
         )
 
 
 def _check_input(method: str, template, name: str, tensor, array: np.ndarray, argument: str) -> None:
     if array.dtype.kind in "US" and tensor.dtype != "string":
         raise ValueError(
-            f"{method}() got text as {argument} for input '{name}' of model '{template.name}', which takes "
-            f"{tensor.dtype} numbers. Convert the text to numbers first (or start the model with a "
-            f"StringLookup or TextVectorization layer). Received: dtype={array.dtype}"
+            f"{method}() got text as {argument} for input '{name}' of dtype {tensor.dtype}. "
+            f"Convert it (StringLookup). Received: dtype={array.dtype}"
         )
     expected, got = tuple(tensor.shape[1:]), array.shape[1:]
     if len(got) != len(expected):
@@ -220,9 +214,8 @@ def _check_input(method: str, template, name: str, tensor, array: np.ndarray, ar
         fits = all(e is None or e == g for e, g in zip(expected, got))
     if not fits:
         raise ValueError(
-            f"{method}() got {argument} rows of shape {got} for input '{name}' of model '{template.name}', "
-            f"which takes rows of shape {expected}. Reshape the data, or build the model for this shape. "
-            f"Received: {argument}.shape={array.shape}"
+            f"{method}() got {argument} rows of shape {got} for input '{name}', which takes {expected}. "
+            f"Reshape it. Received: {argument}.shape={array.shape}"
         )
     if np.issubdtype(array.dtype, np.integer) and array.size:
         _check_indices(method, template, tensor, array, argument)
@@ -240,10 +233,8 @@ def _check_indices(method: str, template, tensor, array: np.ndarray, argument: s
         if low < 0 or high >= layer.input_dim:
             bad = low if low < 0 else high
             raise ValueError(
-                f"{method}() got index {bad} in {argument} for Embedding '{layer.name}' of model "
-                f"'{template.name}', which has rows 0 to {layer.input_dim - 1}: the lookup fails inside the "
-                f"step on a CPU and gives zeros on a GPU. Map such values to a reserved index, or raise the "
-                f"layer's input_dim. Received: {argument} values {low} to {high}"
+                f"{method}() got index {bad} for Embedding '{layer.name}' (rows 0 to {layer.input_dim - 1}). "
+                f"Raise input_dim. Received: {argument} values {low} to {high}"
             )
 
 
@@ -270,9 +261,8 @@ def _check_targets(method: str, model, x, y, argument: str) -> None:
     if y is None:
         if argument == "x":
             raise ValueError(
-                f"{method}() got x without y, but model '{model._template.name}' is compiled with a loss, "
-                "which compares predictions with targets. Pass y, or compile with loss=None for a model "
-                "that adds its own losses. Received: y=None"
+                f"{method}() got x without y, but model '{model._template.name}' has a loss. "
+                "Pass y or use loss=None. Received: y=None"
             )
         return
     if isinstance(y, dict) and not isinstance(loss, (list, tuple)):
@@ -281,9 +271,8 @@ def _check_targets(method: str, model, x, y, argument: str) -> None:
         missing = [n for n in needed if n not in y]
         if missing:
             raise ValueError(
-                f"{method}() got targets for {sorted(y)} but not for {missing}, output(s) of model "
-                f"'{model._template.name}' with a loss. Pass a target for each output with a loss, or "
-                f"compile without a loss for it. Received: y keys={sorted(y)}"
+                f"{method}() got no target for output(s) {missing}, which have a loss. Pass one for each. "
+                f"Received: y keys={sorted(y)}"
             )
     output, builtin = _output(model), _builtin_loss(loss)
     if output is None or builtin is None or not isinstance(y, np.ndarray):
@@ -314,9 +303,8 @@ def _check_target_shape(method: str, model, y: np.ndarray, output, argument: str
     if y.ndim == len(output.shape) and predicted is not None and 1 not in (target, predicted) and target != predicted:
         name = "y" if argument == "x" else argument
         raise ValueError(
-            f"{method}() got targets with {target} values per row for model '{model._template.name}', whose "
-            f"output has {predicted}: its loss compares them value by value. Pass targets of the output's "
-            f"shape {tuple(output.shape[1:])}, or give the last layer {target} units. Received: {name}.shape={y.shape}"
+            f"{method}() got {target} target values per row, but the output has {predicted}. "
+            f"Use shape {tuple(output.shape[1:])}. Received: {name}.shape={y.shape}"
         )
 
 
@@ -331,10 +319,8 @@ def _check_labels(method: str, model, y: np.ndarray, output, loss, argument: str
         name = "y" if argument == "x" else argument
         low, high = labels.min(), labels.max()
         raise ValueError(
-            f"{method}() got labels from {low:g} to {high:g} for model '{model._template.name}', whose output "
-            f"has {classes} classes (0 to {classes - 1}): sparse categorical crossentropy fails inside the step "
-            f"on a CPU and gives NaN on a GPU for a label outside them. Map the labels to 0..{classes - 1}, or "
-            f"give the last layer {int(high) + 1} units. Received: {name} labels {low:g} to {high:g}"
+            f"{method}() got labels outside classes 0 to {classes - 1}. "
+            f"Remap, or use {int(high) + 1} units. Received: {name} labels {low:g} to {high:g}"
         )
 
 
@@ -349,7 +335,6 @@ def _check_batched(method: str, template, spec) -> None:
     # With a last axis of 1, a batch of rows Keras squeezes can have the same shape.
     if row and row[-1] != 1 and tuple(spec.shape) == row:
         raise ValueError(
-            f"{method}() got a tf.data.Dataset of single rows: its elements have shape {row}, one row of model "
-            f"'{template.name}''s input, which takes batches of them. Batch it first: dataset.batch(32). "
+            f"{method}() got a Dataset of single rows. Batch it: dataset.batch(32). "
             f"Received: element shape={tuple(spec.shape)}"
         )

@@ -66,9 +66,8 @@ def check_ends(method: str, arguments: dict, steps: str, data: str = "x") -> Non
     """Refuses an endless dataset without `steps`: Keras would read its first epoch forever."""
     if arguments[steps] is None and endless(arguments[data]):
         raise ValueError(
-            f"{method}() got a tf.data.Dataset as {data} that never ends (`.repeat()` without a count), so "
-            f"it would be read forever. Pass {steps}= (the batches to read), or give `.repeat()` a "
-            f"count. Received: {steps}=None"
+            f"{method}() got a tf.data.Dataset as {data} that never ends. Pass {steps}=, or give "
+            f"`.repeat()` a count. Received: {steps}=None"
         )
 
 

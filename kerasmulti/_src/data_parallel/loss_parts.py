@@ -204,7 +204,6 @@ def check_reductions(loss) -> None:
     }
     if "None" in reductions and len(reductions) > 1:
         raise ValueError(
-            "parallelize() cannot mix reduction=None with reduced losses: Keras adds a "
-            "reduced loss to every row, and each replica holds only its part. Give every "
-            f"output's loss the same kind of reduction. Received: reductions={sorted(reductions)}"
+            "parallelize() cannot mix reduction=None with reduced losses. Give every output's loss "
+            f"the same kind of reduction. Received: reductions={sorted(reductions)}"
         )

@@ -88,7 +88,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self.baseline = None if baseline is None else float(baseline)
         if verbose not in (0, 1) or isinstance(verbose, bool):
             raise ValueError(
-                f"ThroughputMonitor's verbose must be 1 (a line per epoch) or 0 (silent). Received: verbose={verbose!r}"
+                f"ThroughputMonitor's verbose must be 1 or 0. Received: verbose={verbose!r}"
             )
         self.verbose = verbose
         self.records: list[dict] = []
@@ -99,8 +99,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         timing = getattr(self.model, "_timing", None)
         if timing is None:
             raise TypeError(
-                "ThroughputMonitor measures models returned by kerasmulti.parallelize(). "
-                "Use it in such a model's fit() (gpus=1 for one device). "
+                "ThroughputMonitor measures models from kerasmulti.parallelize() (gpus=1 for one device). "
                 f"Received: model={type(self.model).__name__}"
             )
 
@@ -224,7 +223,7 @@ def attach(model, callbacks) -> None:
     if len(found) > 1:
         # Each would reset the figures the other reads.
         raise ValueError(
-            "fit() takes one ThroughputMonitor; each reads and resets the same figures. Pass one. "
+            "fit() takes one ThroughputMonitor; each resets the same figures. Pass one. "
             f"Received: callbacks={[type(c).__name__ for c in callbacks]}"
         )
     model._time_steps()
@@ -233,10 +232,8 @@ def attach(model, callbacks) -> None:
         # tf.summary's scalars come from the tensorboard package, which TensorFlow
         # 2.21 no longer installs: Keras' own callback fails at the first epoch's end.
         warnings.warn(
-            "TensorBoard is not installed, so neither keras.callbacks.TensorBoard nor "
-            "ThroughputMonitor can write its logs (Keras' callback fails at the first epoch's end). "
-            "Install it: pip install tensorboard (or kerasmulti[demo]). The monitor still prints "
-            f"and keeps its records. Received: log_dir={log_dir!r}",
+            "TensorBoard is not installed, so neither keras.callbacks.TensorBoard nor ThroughputMonitor "
+            f"can write logs. Install it: pip install tensorboard. Received: log_dir={log_dir!r}",
             stacklevel=3,
         )
         log_dir = None

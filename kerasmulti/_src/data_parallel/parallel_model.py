@@ -221,9 +221,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             # own, which the user's tape does not record: every gradient would
             # be None. fit() and train_on_batch() take each replica's gradients.
             raise RuntimeError(
-                "A GradientTape cannot train a parallel model with BatchNormalization: its "
-                "replicas run on threads the tape does not record. Use fit() or "
-                "train_on_batch(), or run your loop on kerasmulti.unwrap(parallel). "
+                "A GradientTape cannot train a parallel model with BatchNormalization. Use fit(), "
+                "train_on_batch() or a loop on kerasmulti.unwrap(parallel). "
                 f"Received: training=True with {len(self._batchnorm)} BatchNormalization layer(s)"
             )
         with self._synchronized(synchronized):

@@ -84,9 +84,9 @@ def _unchanged_if_refused(template, filepath):
         if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
             raise
         raise ValueError(
-            f"load_weights() could not load '{filepath}' into '{template.name}': its weights do not fit this "
-            f"model's ({keras_load_reason(error)}). The model's weights are unchanged. Load a file saved from "
-            f"this model, or pass skip_mismatch=True. Received: filepath={str(filepath)!r}"
+            f"load_weights() could not load the file into '{template.name}': its weights do not fit this "
+            f"model's ({keras_load_reason(error)}); the weights are unchanged. Load a file from this model, or pass "
+            f"skip_mismatch=True. Received: filepath={str(filepath)!r}"
         ) from error
 
 

@@ -76,10 +76,8 @@ class _Rendezvous:
             # E.g. a squeeze() that also drops the batch axis of a 1-row
             # sub-batch sends one replica down another path.
             raise RuntimeError(
-                "The replicas took different paths through the model for their "
-                "sub-batches, so they cannot share BatchNormalization statistics or loss "
-                "totals. Make the computation the same for every batch size, or use one "
-                f"device. Received: meeting points={places}"
+                "The replicas took different paths through the model. Make it compute the same for every "
+                f"batch size, or use one device. Received: meeting points={places}"
             )
         return [value for _, value in gathered]
 
@@ -214,9 +212,8 @@ def _run(devices: list[str], fn: Callable, synchronized: bool, variables) -> lis
             raise cause
         # Tracing a very large model on a busy machine can take that long.
         raise RuntimeError(
-            "A replica did not reach the point where the others waited for it while "
-            "the step was traced. If the model is very large, retry on an idle machine; "
-            f"otherwise please report it with the model. Received: timeout={RENDEZVOUS_TIMEOUT_S} s"
+            "A replica did not reach the point where the others waited for it while tracing the step. "
+            f"Retry on an idle machine, or report it. Received: timeout={RENDEZVOUS_TIMEOUT_S} s"
         )
     return results
 

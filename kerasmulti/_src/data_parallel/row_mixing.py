@@ -69,7 +69,7 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         mode = " in training mode" if differences[0] <= TOLERANCE else ""
         warnings.warn(
             f"The outputs of '{template.name}' for a row depend on the other rows of its batch{mode}, "
-            "so split over devices they differ from one device's. Run it on one device "
+            "so split over devices they differ. Run it on one device "
             f"(docs/data-parallel.md). Received: relative difference={difference:.1e}",
             stacklevel=stacklevel + 1,
         )

@@ -34,9 +34,8 @@ class TemplateAccess:
         """compile() for a template with steps of its own: the template's compile, then this model's."""
         if jit_compile is True and len(self._replica_devices) > 1:
             warnings.warn(
-                f"The template '{self._template.name}' runs its own steps, on uncompiled replicas: XLA "
-                "compiles one device's program, and the step's meeting points span the devices. "
-                "Leave jit_compile to its default to silence this. Received: jit_compile=True",
+                f"The template '{self._template.name}' runs its own steps, on uncompiled replicas. "
+                "Leave jit_compile at its default. Received: jit_compile=True",
                 stacklevel=3,
             )
         if jit_compile != "auto":

@@ -27,14 +27,13 @@ def _refuse_unsplittable(model) -> None:
             # and replicas see different rows.
             raise ValueError(
                 f"parallelize() cannot split the stateful layer '{layer.name}' "
-                f"({type(layer).__name__}). Rebuild it with stateful=False, or use one "
-                f"device. Received: layer={layer.name!r} with stateful=True"
+                f"({type(layer).__name__}). Use stateful=False or one device. Received: layer={layer.name!r} with stateful=True"
             )
         if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
             # Its correction terms are not synchronised across replicas.
             raise ValueError(
                 f"parallelize() does not support batch renormalisation (layer "
-                f"'{layer.name}'). Use renorm=False, or use one device. "
+                f"'{layer.name}'). Use renorm=False or one device. "
                 f"Received: layer={layer.name!r} with renorm=True"
             )
 
@@ -49,8 +48,8 @@ def warn_row_mixing(model, stacklevel) -> None:
         if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
             warnings.warn(
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows only within each "
-                "replica's sub-batch, so training differs from one device. Apply it in the "
-                f"input pipeline (tf.data) instead. Received: layer={layer.name!r}",
+                "replica's sub-batch, unlike on one device. Apply it in the input pipeline. "
+                f"Received: layer={layer.name!r}",
                 stacklevel=stacklevel + 1,
             )
 
@@ -87,7 +86,7 @@ def check_model(model) -> None:
         model = model._template
     if not isinstance(model, keras.Model):
         raise TypeError(
-            "parallelize() expects a keras.Model. Wrap a single layer in "
+            "parallelize() expects a keras.Model. Wrap a layer in "
             f"keras.Sequential first. Received: model={type(model).__name__}"
         )
     if not model.built and _custom_steps.overridden(model) and _custom_steps.parts_built(model):
@@ -97,8 +96,7 @@ def check_model(model) -> None:
         return
     if not model.built:
         raise ValueError(
-            f"parallelize() needs a built model, but '{model.name}' has no weights yet. "
-            "Call model.build(input_shape) or call the model on one batch first. "
+            "parallelize() needs a built model. Call model.build(input_shape) or call it on one batch. "
             f"Received: model={model.name!r} with built=False"
         )
     _build_layers(model)
@@ -122,6 +120,5 @@ def _build_layers(model) -> None:
     except Exception as error:
         raise ValueError(
             f"parallelize() could not create the weights of '{model.name}' from "
-            f"its build shape: {error}. Call the model on one batch of real data "
-            f"first. Received: model={model.name!r} built with input_shape={shape}"
+            f"its build shape: {error}. Call it on one batch of real data. Received: model={model.name!r} built with input_shape={shape}"
         ) from error

@@ -43,18 +43,16 @@ def check_path(output) -> str:
     """The output path as a string; refuses what cannot name a file to write."""
     if not isinstance(output, (str, os.PathLike)):
         raise TypeError(
-            "parallel_predict()'s output must be the path of an HDF5 file, or None to return the "
-            f"results. Received: output={output!r}"
+            f"parallel_predict()'s output must be an HDF5 file path or None. Received: output={output!r}"
         )
     path = os.fspath(output)
     if not path:
         raise ValueError(
-            "parallel_predict() got an empty output path. Pass an HDF5 file such as 'features.h5', "
-            "or None. Received: output=''"
+            "parallel_predict() got an empty output path. Pass e.g. 'features.h5', or None. Received: output=''"
         )
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ValueError(
-            f"parallel_predict() got the folder '{path}' as output. Name an HDF5 file, e.g. "
+            f"parallel_predict()'s output is a folder. Name an HDF5 file, e.g. "
             f"output={os.path.join(path, 'features.h5')!r}. Received: output={path!r}"
         )
     return path
@@ -68,8 +66,8 @@ def check_not_input(data, output: str) -> None:
         file = getattr(getattr(leaf, "file", None), "filename", None) or getattr(leaf, "filename", None)
         if isinstance(file, (str, os.PathLike)) and os.path.exists(file) and os.path.samefile(file, output):
             raise ValueError(
-                f"parallel_predict() would overwrite '{output}', the file it reads its input from. "
-                f"Choose another output path. Received: output={output!r}"
+                f"parallel_predict() would overwrite its input file. Choose another output. "
+                f"Received: output={output!r}"
             )
 
 
@@ -79,21 +77,18 @@ def check_extra(extra, output) -> dict:
         return {}
     if not isinstance(extra, Mapping):
         raise TypeError(
-            "parallel_predict()'s extra must be a dict of arrays to store beside the results, one row "
-            f"per input row, e.g. extra={{'filenames': names}}. Received: extra={extra!r}"
+            f"parallel_predict()'s extra must be a dict of arrays, one row per input row. Received: extra={extra!r}"
         )
     if output is None and extra:
         # With the results returned in memory, extra= would be dropped unseen.
         raise ValueError(
-            "parallel_predict() stores extra= in the output file, and output=None returns the results "
-            "instead. Pass output='features.h5' too, or drop extra=. "
+            "parallel_predict() stores extra= in the output file only. Pass output='features.h5' or drop extra=. "
             f"Received: output=None, extra={_keys(extra)}"
         )
     for key in extra:
         if not isinstance(key, str) or key in ("", ".") or "/" in key:
             raise ValueError(
-                "parallel_predict()'s extra= keys name datasets at the top of the HDF5 file: "
-                f"non-empty strings without '/'. Rename it. Received: extra={{{key!r}: ...}}"
+                f"parallel_predict()'s extra= keys must be non-empty strings without '/'. Received: extra={{{key!r}: ...}}"
             )
     return dict(extra)
 
@@ -105,7 +100,7 @@ def check_extra_rows(extra: dict, rows: int) -> None:
         if got != rows:
             raise ValueError(
                 f"parallel_predict()'s extra '{key}' has {'no rows' if got is None else f'{got} rows'}, "
-                f"but {rows} rows are predicted: extra= holds one row per input row. Pass {rows} rows. "
+                f"but {rows} rows are predicted. Pass {rows} rows. "
                 f"Received: extra[{key!r}].shape={np.shape(value)}, rows={rows}"
             )
 
@@ -115,8 +110,7 @@ def check_extra_names(extra: dict, names) -> None:
     clashes = sorted(set(extra) & set(names))
     if clashes:
         raise ValueError(
-            f"parallel_predict()'s extra {clashes} has the name of a model output, and each output is "
-            f"a dataset of the file named after it (outputs: {list(names)}). Rename it in extra=. "
+            f"parallel_predict()'s extra {clashes} has the name of a model output ({list(names)}). Rename it. "
             f"Received: extra={_keys(extra)}"
         )
 
@@ -193,9 +187,8 @@ def open_existing(path: str, attributes: dict) -> h5py.File:
         reserve(path)
     except OSError as error:
         raise ValueError(
-            f"parallel_predict() cannot resume '{path}': the disk has no room for its remaining rows "
-            f"({os.strerror(error.errno) if error.errno else error}). Free some space and run it again; "
-            f"the rows written so far stay. Received: output={path!r}"
+            f"parallel_predict() cannot resume: the disk is full ({os.strerror(error.errno) if error.errno else error}). "
+            f"Free space and rerun; written rows stay. Received: output={path!r}"
         ) from error
     try:
         f = h5py.File(path, "r+")
@@ -217,16 +210,16 @@ def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
         raise _damaged(path) from error
     if not ours:
         raise ValueError(
-            f"'{path}' is an HDF5 file that parallel_predict() did not write, so it is left alone. "
-            f"Choose another output path, or delete the file. Received: output={path!r}"
+            f"parallel_predict() did not write this HDF5 output file. Choose another path. "
+            f"Received: output={path!r}"
         )
     for key, value in attributes.items():
         if written[key] != value:
             what = "model" if key == MODEL else "input"
             # Adding rows of another model or input would corrupt it silently.
             raise ValueError(
-                f"parallel_predict() will not add to '{path}': it holds results of a different {what}. "
-                f"Delete the file or choose another output path. Received: output={path!r}"
+                f"parallel_predict() will not add to results of a different {what}. Delete the file or choose another. "
+                f"Received: output={path!r}"
             )
 
 

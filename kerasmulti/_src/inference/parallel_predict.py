@@ -164,19 +164,17 @@ def parallel_predict(
     """
     if not is_positive_int(batch_size):
         raise ValueError(
-            "parallel_predict() needs batch_size as a positive int (rows per step). "
+            "parallel_predict() needs batch_size as a positive int. "
             f"Received: batch_size={batch_size!r}"
         )
     if steps is not None and not is_positive_int(steps):
         raise ValueError(
-            "parallel_predict() needs steps as a positive int (batches to predict) or None (all of "
-            f"them). Received: steps={steps!r}"
+            f"parallel_predict() needs steps as a positive int or None (all). Received: steps={steps!r}"
         )
     # As model.predict takes it; True and False too, which it reads as 1 and 0.
     if not (verbose == "auto" if isinstance(verbose, str) else isinstance(verbose, (int, np.integer)) and verbose in (0, 1, 2)):
         raise ValueError(
-            "parallel_predict() takes verbose as in model.predict: \"auto\" or 1 (a progress bar), "
-            f"0 (quiet) or 2 (one line at the end). Received: verbose={verbose!r}"
+            f"parallel_predict() takes verbose as in model.predict: 'auto', 0, 1 or 2. Received: verbose={verbose!r}"
         )
     if output is not None:
         output = _output_file.check_path(output)
@@ -185,8 +183,7 @@ def parallel_predict(
     if not isinstance(model, keras.Model):
         shown = repr(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__
         raise TypeError(
-            "parallel_predict() predicts with a keras.Model (or one from kerasmulti.parallelize()). "
-            "Load a saved model first, model = keras.models.load_model(path), and pass that. "
+            "parallel_predict() predicts with a keras.Model. Load a saved one with keras.models.load_model. "
             f"Received: model={shown}"
         )
     if type(model) is ParallelModel and gpus is None and devices is None:
@@ -358,6 +355,6 @@ def _predicted_batches(predict, source, start, batch_size, verbose):
         # Some inputs are read twice: once to count their rows, then to predict.
         raise ValueError(
             f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but {source.rows} "
-            "were counted before predicting. Make it give the same rows each time it is read. "
+            "were counted before. Make it give the same rows on each read. "
             f"Received: rows={row}, counted={source.rows}"
         )

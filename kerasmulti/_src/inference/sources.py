@@ -71,8 +71,8 @@ class ArraySource(Source):
         for array in tree.flatten(data):
             if len(array.shape) == 0:
                 raise ValueError(
-                    "parallel_predict() got a single value (a 0-d array), not rows. Add a batch "
-                    f"axis, e.g. np.expand_dims(x, 0). Received: shape={array.shape}"
+                    "parallel_predict() got a 0-d array. Add a batch axis: np.expand_dims(x, 0). "
+                    f"Received: shape={array.shape}"
                 )
         sizes = {len(a) for a in tree.flatten(data)}
         if len(sizes) != 1:
@@ -102,8 +102,8 @@ def _read(array, begin: int, end: int) -> np.ndarray:
         if file is None:
             raise
         raise ValueError(
-            f"Rows {begin} to {end} of '{array.name}' in '{file}' could not be read: the "
-            f"file is damaged ({error}). Repair or rewrite it. Received: input={file!r}"
+            f"Rows {begin} to {end} of '{array.name}' could not be read: damaged file ({error}). "
+            f"Rewrite it. Received: input={file!r}"
         ) from error
 
 
@@ -141,8 +141,8 @@ class BatchedSource(Source):
                 n = steps if n is None else min(n, steps)
             if n is None:
                 raise ValueError(
-                    "parallel_predict() got a PyDataset without a length. Give it a `__len__`, "
-                    "or pass steps=. Received: data.num_batches=None"
+                    "parallel_predict() got a PyDataset without a length. Give it `__len__` or pass steps=. "
+                    "Received: data.num_batches=None"
                 )
             first = _inputs_of(data[0]) if n else None
             last = _inputs_of(data[n - 1]) if n > 1 else first
@@ -189,10 +189,8 @@ class BatchedSource(Source):
                 # Written, its rows would sit in another order than the input's (or
                 # be others), and the file's fingerprint would not match its rows.
                 raise ValueError(
-                    f"The tf.data.Dataset gave other batches when read again: batch {index} holds other "
-                    "values now, as a reshuffling `shuffle()` or a random augmentation gives them. Make it "
-                    "repeatable (shuffle(..., seed=..., reshuffle_each_iteration=False), no random ops), or "
-                    f"pass output=None. Received: batch={index}"
+                    f"The tf.data.Dataset gave other batches when read again: batch {index} holds other values. "
+                    f"Use reshuffle_each_iteration=False and no random ops, or output=None. Received: batch={index}"
                 )
 
     def _changed_batch(self, index, rows, expected) -> str:
@@ -261,14 +259,13 @@ class StreamedSource(Source):
 def _refuse_endless(data: tf.data.Dataset) -> None:
     if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
-            "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= (the batches "
-            "to predict), or drop `.repeat()`. Received: data.cardinality()=INFINITE"
+            "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= or drop `.repeat()`. "
+            "Received: data.cardinality()=INFINITE"
         )
     if _feeding.endless(data):
         # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
         raise ValueError(
-            "parallel_predict() got a tf.data.Dataset that repeats forever behind an operation that "
-            "hides its length (such as `.filter()`). Pass steps=, or give `.repeat()` a count. "
+            "parallel_predict() got a tf.data.Dataset that repeats forever. Pass steps=, or give `.repeat()` a count. "
             "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
         )
 
@@ -330,9 +327,8 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
         return BatchedSource(data, steps)
     if isinstance(data, collections.abc.Iterator):
         raise TypeError(
-            "parallel_predict() cannot read a Python generator: it may read its input twice (output= "
-            "counts the rows first). Wrap it in tf.data.Dataset.from_generator(...) or a "
-            f"keras.utils.PyDataset (docs/inference.md). Received: data={type(data).__name__}"
+            "parallel_predict() cannot read a Python generator twice. Wrap it in Dataset.from_generator "
+            f"or a PyDataset (docs/inference.md). Received: data={type(data).__name__}"
         )
     leaves = tree.flatten(data)
     arrays = [hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves]
@@ -340,9 +336,8 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
         nested = leaves and isinstance(data, (list, tuple, dict))
         held = f" holding {type(leaves[arrays.index(False)]).__name__}" if nested else ""
         raise TypeError(
-            "parallel_predict() reads numpy arrays (a list or dict of arrays for a model with several "
-            "inputs), an h5py.Dataset, a keras.utils.PyDataset or a tf.data.Dataset. Convert nested "
-            f"Python lists with np.asarray(...) first. Received: data={type(data).__name__}{held}"
+            "parallel_predict() reads numpy arrays (or a list or dict of them), an h5py.Dataset, a PyDataset "
+            f"or a tf.data.Dataset. Convert lists with np.asarray(...). Received: data={type(data).__name__}{held}"
         )
     return ArraySource(data, None if steps is None else steps * batch_size)
 
@@ -365,7 +360,7 @@ def check_inputs(model, sample) -> None:
             raise ValueError(
                 f"Input {index} of model '{model.name}' takes {tensor.dtype} "
                 f"numbers, but the data holds {'text' if kind.kind in 'US' else 'Python objects'}. "
-                f"Convert the data to numbers first. Received: dtype={kind}"
+                f"Convert it. Received: dtype={kind}"
             )
     got = [tuple(np.shape(a)[1:]) for a in tree.flatten(sample)]
     fits = len(got) == len(expected) and all(
@@ -373,8 +368,8 @@ def check_inputs(model, sample) -> None:
     )
     if not fits:
         raise ValueError(
-            f"The input rows do not fit model '{model.name}': it expects rows of shape "
-            f"{_shapes(expected)}. Reshape or resize the data to fit. Received: row shapes {_shapes(got)}"
+            f"The input rows do not fit model '{model.name}', which takes {_shapes(expected)}. "
+            f"Reshape the data. Received: row shapes {_shapes(got)}"
         )
 
 

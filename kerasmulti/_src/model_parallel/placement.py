@@ -48,8 +48,8 @@ def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
     """
     if not isinstance(layer, keras.layers.Layer):
         raise TypeError(
-            "on_device() places a Keras layer or model; wrap plain functions in "
-            f"keras.layers.Lambda first. Received: layer={type(layer).__name__}"
+            "on_device() places a Keras layer or model; wrap functions in a Lambda layer. "
+            f"Received: layer={type(layer).__name__}"
         )
     return OnDevice(layer, resolve_device(device, "on_device()"), _validated=True)
 
@@ -98,21 +98,21 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
-            "remap_devices() moves the placed layers of a keras.Model; pass the model "
-            f"that holds them. Received: model={type(model).__name__}"
+            "remap_devices() moves the placed layers of a keras.Model; pass the model that holds them. "
+            f"Received: model={type(model).__name__}"
         )
     if not isinstance(mapping, Mapping):
         raise TypeError(
-            "remap_devices() takes a dict from old device names to new ones, such as "
-            f"{{'/gpu:1': '/gpu:0'}}. Received: mapping={mapping!r}"
+            "remap_devices() takes a dict from old device names to new ones. "
+            f"Received: mapping={mapping!r}"
         )
     moves = {_old_device(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
     placed = [layer for layer in keras_private.flatten_layers(model, include_self=False) if isinstance(layer, OnDevice)]
     if not any(layer.device in moves for layer in placed):
         on = ", ".join(sorted({layer.device for layer in placed})) or "no device: it has no placed layers"
         raise ValueError(
-            f"remap_devices() found no layer to move: the model's placed layers run on {on}, and the "
-            f"mapping names none of these devices. Map the devices the model runs on. Received: mapping={mapping!r}"
+            f"remap_devices() found no layer to move: the model's placed layers run on {on}. "
+            f"Map those devices. Received: mapping={mapping!r}"
         )
     for layer in placed:
         if layer.device in moves:
@@ -141,7 +141,7 @@ def _old_device(name) -> str:
         spec = None
     if spec is None or spec.device_type is None or spec.device_index is None:
         raise ValueError(
-            "remap_devices() got an old device that is not a TensorFlow device name, such as "
-            f"'/gpu:1'. Received: device={name!r}"
+            "remap_devices() got an old device that is not a TensorFlow device name, e.g. '/gpu:1'. "
+            f"Received: device={name!r}"
         )
     return _canonical(name)

@@ -60,8 +60,7 @@ def check(optimizer, variables=()) -> None:
     if overwritten:
         raise ValueError(
             "Gradient accumulation across workers cannot overwrite variables with their "
-            f"gradient, as float8 layers need ({', '.join(overwritten)}). Turn off "
-            "gradient_accumulation_steps or float8, or train on one worker. "
+            f"gradient ({', '.join(overwritten)}). Turn off gradient_accumulation_steps or float8, or use one worker. "
             "Received: overwrite_with_gradient=True"
         )
 

@@ -104,8 +104,7 @@ def launch(
     """
     if not callable(function):
         raise LaunchError(
-            "launch() needs the function each worker runs: pass the function itself, not its "
-            f"result. Received: function={function!r}"
+            f"launch() needs the function each worker runs, not its result. Received: function={function!r}"
         )
     if not isinstance(args, (tuple, list)):
         raise LaunchError(
@@ -118,8 +117,8 @@ def launch(
         # Workers are forks of this process, and a process can join a
         # cluster only before TensorFlow's first op.
         raise RuntimeError(
-            "launch() cannot start workers: TensorFlow already ran in this process. Restart the "
-            "kernel and call launch() first, building models inside the function. "
+            "launch() cannot start workers: TensorFlow already ran here. Restart the kernel, call "
+            "launch() first and build models in the function. "
             "Received: TensorFlow initialised=True"
         )
     gpus = gpus_per_worker(workers, devices_per_worker, physical_gpus(fork_safe=True) if devices_per_worker else 0)
@@ -141,14 +140,11 @@ def launch(
         sent = _received(receivers[failed])
         if isinstance(sent, _Unsendable):
             raise RuntimeError(
-                f"Worker {failed} finished, but its return value cannot be pickled to send it back "
-                f"(the reason is above, prefixed [worker {failed}]). Return plain data (numbers, "
-                "lists, dicts, arrays), e.g. history.history or model.get_weights(), not a function "
-                f"or a model. Received: type={sent.type_name}"
+                f"Worker {failed} finished, but its return value cannot be pickled to send it back (reason "
+                f"above). Return plain data, e.g. history.history, not a model. Received: type={sent.type_name}"
             )
         raise RuntimeError(
-            f"Worker {failed} of {workers} failed (its output is above, prefixed "
-            f"[worker {failed}]); the others were stopped. "
+            f"Worker {failed} of {workers} failed (output above, as [worker {failed}]); the others were stopped. "
             f"Received: exitcode={processes[failed].returncode}"
         )
     for index in range(workers):
@@ -158,7 +154,7 @@ def launch(
             raise RuntimeError(
                 f"Worker {index} finished, but its return value cannot be unpickled here "
                 f"({type(receiver.error).__name__}: {receiver.error}). Return plain data, e.g. "
-                f"history.history rather than the History object. Received: error={type(receiver.error).__name__}"
+                f"history.history. Received: error={type(receiver.error).__name__}"
             )
     return [receivers[index].value for index in range(workers)]
 

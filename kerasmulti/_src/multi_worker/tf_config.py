@@ -76,8 +76,8 @@ def parse_hosts(text: str, index: int | None) -> list[str]:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
             raise LaunchError(
-                f"--hosts takes host:port pairs separated by commas, e.g. "
-                f"'10.0.0.1:2222,10.0.0.2:2222'; '{host}' is not one. Received: hosts={text!r}"
+                f"--hosts takes comma-separated host:port pairs, e.g. 'a:1,b:1'; '{host}' is not one. "
+                f"Received: hosts={text!r}"
             )
     if len(set(hosts)) != len(hosts):
         raise LaunchError(f"--hosts lists the same worker twice. Received: hosts={text!r}")
@@ -95,8 +95,7 @@ def check_workers(workers, devices_per_worker=None) -> None:
         raise LaunchError(f"workers must be a positive int, the number of worker processes. Received: workers={workers!r}")
     if devices_per_worker is not None and not is_positive_int(devices_per_worker):
         raise LaunchError(
-            "devices_per_worker must be a positive int, the GPUs each worker "
-            f"gets, or None. Received: devices_per_worker={devices_per_worker!r}"
+            f"devices_per_worker must be a positive int or None. Received: devices_per_worker={devices_per_worker!r}"
         )
 
 
@@ -104,8 +103,7 @@ def check_restarts(max_restarts) -> None:
     """Refuses a `max_restarts` that is not an int of 0 or more."""
     if not (is_int(max_restarts) and max_restarts >= 0):
         raise LaunchError(
-            "max_restarts must be an int of 0 or more: how many times the workers are all started "
-            f"again after one fails. Received: max_restarts={max_restarts!r}"
+            f"max_restarts must be an int of 0 or more. Received: max_restarts={max_restarts!r}"
         )
 
 
@@ -141,8 +139,8 @@ def gpus_per_worker(workers: int, devices_per_worker: int | None, gpus: int) -> 
     if gpus == 0:
         # Without GPUs, MultiWorkerMirroredStrategy trains one replica per worker.
         raise LaunchError(
-            "devices_per_worker needs GPUs, and this machine has none. For more replicas, start "
-            f"more workers instead (workers={needed}). Received: devices_per_worker={devices_per_worker}"
+            f"devices_per_worker needs GPUs, and this machine has none: start more workers instead (workers={needed}). "
+            f"Received: devices_per_worker={devices_per_worker}"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",")[:gpus] if visible else [str(i) for i in range(gpus)]
@@ -150,7 +148,7 @@ def gpus_per_worker(workers: int, devices_per_worker: int | None, gpus: int) -> 
         has = f"CUDA_VISIBLE_DEVICES makes {len(ids)} visible ({visible})" if visible else f"this machine has {gpus}"
         raise LaunchError(
             f"{workers} workers with {devices_per_worker} GPUs each need {needed} GPUs, "
-            f"but {has}. Lower workers or devices_per_worker, or make more GPUs visible. "
+            f"but {has}. Lower them, or make more GPUs visible. "
             f"Received: devices_per_worker={devices_per_worker}"
         )
     k = devices_per_worker
@@ -208,16 +206,14 @@ def slurm_tf_config(port: int | None = None) -> str:
         hosts = resolver.cluster_spec().job_tasks("worker")
     except (RuntimeError, ValueError) as error:
         raise LaunchError(
-            f"SLURM's environment does not describe this job step ({error}); run "
-            "`kerasmulti launch` under srun, one task per worker. Received: "
+            f"SLURM's environment does not describe this job step ({error}). Run under srun. Received: "
             f"SLURM_STEP_NODELIST={os.environ.get('SLURM_STEP_NODELIST')!r}"
         ) from None
     if not isinstance(resolver.task_id, int) or not 0 <= resolver.task_id < len(hosts):
         # The resolver gives no index to a rank outside the step's tasks.
         raise LaunchError(
-            f"This SLURM task's rank is not one of the job step's {len(hosts)} task(s) (0 to "
-            f"{len(hosts) - 1}); run `kerasmulti launch` under srun, one task per worker, in one "
-            f"job step. Received: SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}"
+            f"This SLURM task's rank is not one of the job step's {len(hosts)} task(s) (0 to {len(hosts) - 1}). "
+            f"Run under srun. Received: SLURM_PROCID={os.environ.get('SLURM_PROCID')!r}"
         )
     node, local = os.environ.get("SLURMD_NODENAME"), os.environ.get("SLURM_LOCALID")
     if node is None or local is None:
@@ -234,16 +230,14 @@ def _slurm_address(hosts: list[str], node: str, local: str, port: int) -> str:
     here = sum(h.rpartition(":")[0] == node for h in hosts)  # the step's tasks on this node
     if not here:
         raise LaunchError(
-            f"This SLURM task runs on {node}, which is not among the job step's nodes "
-            f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}). Run `kerasmulti launch` "
-            f"under srun, in that job step. Received: SLURMD_NODENAME={node!r}"
+            f"This SLURM task's node is not among the job step's nodes "
+            f"({', '.join(sorted({h.rpartition(':')[0] for h in hosts}))}). Run in that step. Received: SLURMD_NODENAME={node!r}"
         )
     if not (local.isdecimal() and int(local) < here):
         # SLURM numbers a node's tasks 0 to n-1: another value came from
         # another step's environment, or was set by hand.
         raise LaunchError(
-            f"This SLURM task's local id on {node} is not one of the {here} task(s) the job step "
-            f"runs there (0 to {here - 1}). Run `kerasmulti launch` directly under srun, one task "
-            f"per worker, so that SLURM sets each task's variables. Received: SLURM_LOCALID={local!r}"
+            f"This SLURM task's local id on {node} is not one of the step's {here} task(s) there (0 to {here - 1}). "
+            f"Run directly under srun. Received: SLURM_LOCALID={local!r}"
         )
     return f"{node}:{port + int(local)}"

@@ -289,7 +289,7 @@ def _check_monitored_everywhere(strategy, callbacks) -> None:
         local = len(strategy.extended.worker_devices)
         raise ValueError(
             "A ThroughputMonitor was passed to fit() on some workers only; it gathers every "
-            "worker's figures at each epoch's end. Pass it on every worker, or on none. "
+            "worker's figures. Pass it on every worker, or on none. "
             f"Received: workers_with_monitor={int(flags.sum()) // local} of {len(flags) // local}"
         )
 
@@ -319,7 +319,7 @@ def _lost_workers_explained(what: str):
         # The others cannot go on without its part of every step.
         raise _cluster.ClusterError(
             f"Multi-worker {what} stopped: a worker is gone (killed, crashed or unreachable). Start "
-            "the whole job again (ParallelBackupAndRestore resumes it from the last backup). "
+            "the whole job again; ParallelBackupAndRestore resumes it. "
             f"Received: error={type(error).__name__}({_cause(error)!r})"
         ) from error
 

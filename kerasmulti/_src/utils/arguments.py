@@ -59,14 +59,12 @@ def check_readable_file(filepath, kind: str, not_found: type[Exception] = ValueE
         return
     if path.endswith(".keras") and not zipfile.is_zipfile(path):
         raise ValueError(
-            f"'{path}' is not a readable .keras file: a .keras file is a zip archive, and this one is not "
-            f"(cut short while copied or written, or another format renamed). Save the {kind} again, or load "
-            f"the file it was copied from. Received: filepath={path!r}"
+            f"'{path}' is not a readable .keras file: a .keras file is a zip archive, and this one is not. "
+            f"Save the {kind} again, or load the original. Received: filepath={path!r}"
         )
     if path.endswith(".h5") and not _opens_as_hdf5(path):
         raise ValueError(
-            f"'{path}' is not a readable HDF5 file (cut short while copied or written, or another format "
-            f"renamed). Save the {kind} again, or load the file it was copied from. Received: filepath={path!r}"
+            f"'{path}' is not a readable HDF5 file. Save the {kind} again, or load the original. Received: filepath={path!r}"
         )
 
 
@@ -87,12 +85,11 @@ def check_save_path(method: str, filepath, folder_allowed: bool = False) -> None
     path = str(filepath)
     if os.path.isdir(path) and not folder_allowed:
         raise IsADirectoryError(
-            f"{method}() cannot write '{path}': it is a folder. Pass a file name (in that folder, or "
-            f"elsewhere). Received: filepath={path!r}"
+            f"{method}() cannot write '{path}': it is a folder. Pass a file name. Received: filepath={path!r}"
         )
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(
-            f"{method}() cannot write '{path}': its folder '{os.path.dirname(path)}' does not exist. Create "
-            f"it first, os.makedirs({os.path.dirname(path)!r}, exist_ok=True). Received: filepath={path!r}"
+            f"{method}() cannot write: its folder '{os.path.dirname(path)}' does not exist. Create it with "
+            f"os.makedirs({os.path.dirname(path)!r}, exist_ok=True). Received: filepath={path!r}"
         )
