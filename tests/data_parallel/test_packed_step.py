@@ -42,7 +42,8 @@ def _dense_stack(layers):
 def test_a_compiled_step_runs_the_same_few_operations_outside_xla_whatever_the_variable_count():
     # Before packing: 7 operations per variable (a read, sends, a sum, the update): 385 at 50 variables.
     small, large = _counted(_dense_stack(5)), _counted(_dense_stack(80))  # 10 and 160 variables
-    assert small.outside_xla <= 40, small.by_type
+    # Slicing the batch, the sends, the loss tracker: a count of 0 would mean no event was read.
+    assert 0 < small.outside_xla <= 40, small.by_type
     assert large.outside_xla == small.outside_xla, (small.by_type, large.by_type)
     # A read, one program per replica, one update: not one per variable. (TensorFlow 2.16's
     # XLA runtime on CPUs records no event per program run: 0 there.)
