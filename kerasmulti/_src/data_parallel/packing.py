@@ -5,7 +5,7 @@ sending it to a replica, summing a gradient, updating a weight are each one
 operation per variable, so a step's fixed cost would grow with the model
 (~40 us per variable per step on a CPU, ~4 us per operation on a GPU host).
 Instead the compiled step (`compiled.py`) reads every variable of a device
-into one buffer per dtype inside one XLA call (`read_on_devices`), sends the
+into one buffer per dtype inside one XLA call (`DeviceReads`), sends the
 buffers to each replica, which takes them apart inside its own XLA program,
 and gets the gradients and new states back packed the same way. Summing,
 taking apart and applying them is again one XLA call (`compiled.py`). Reshapes
@@ -86,8 +86,9 @@ class DeviceReads:
         self._order = [device_of(v) for v in self.variables]
         self._reads = {}
         for device in self.devices:
-            layout = Layout([v for v, d in zip(self.variables, self._order) if d == device])
-            self._reads[device] = (layout, tf.function(_reader(layout, device, self.variables), jit_compile=True))
+            on_device = [v for v, d in zip(self.variables, self._order) if d == device]
+            layout = Layout(on_device)
+            self._reads[device] = (layout, tf.function(_reader(layout, on_device), jit_compile=True))
 
     def read(self) -> list:
         """Each device's buffers, as `{dtype name: flat}` dicts in `devices` order."""
@@ -103,10 +104,8 @@ class DeviceReads:
         return [next(values[device]) for device in self._order]
 
 
-def _reader(layout: Layout, device: str, variables):
-    on_device = [v for v in variables if device_of(v) == device]
-
+def _reader(layout: Layout, variables):
     def read():
-        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in on_device])
+        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
 
     return read

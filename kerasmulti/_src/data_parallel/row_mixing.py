@@ -110,10 +110,10 @@ def _relative(outputs, others) -> float:
     """The largest difference between float outputs and others of their shape, relative to the outputs' size."""
     difference = 0.0
     for w, o in zip(outputs, others):
-        if o is None or not np.issubdtype(w.dtype, np.floating) or w.shape != o.shape:
+        if o is None or not w.size or not np.issubdtype(w.dtype, np.floating) or w.shape != o.shape:
             continue
-        scale = float(np.max(np.abs(w))) + 1e-6 if w.size else 1.0
-        difference = max(difference, float(np.max(np.abs(w - o))) / scale if w.size else 0.0)
+        scale = float(np.max(np.abs(w))) + 1e-6
+        difference = max(difference, float(np.max(np.abs(w - o))) / scale)
     return difference
 
 
