@@ -59,8 +59,10 @@ def test_first_failure_stops_the_others_and_sets_the_exit_code():
     assert "worker 1 failed with exit code 3; stopped the others" in result.stdout
 
 
-def test_a_failing_workers_traceback_shows_once_the_others_one_line_each_and_the_launchers_line_last():
-    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "raise-1", "hang-0", "noisy-0")
+def test_a_failing_workers_traceback_shows_once_the_others_one_line_each_and_the_launchers_line_last(tmp_path):
+    # The last argument: the file worker 0 makes once its noisy SIGTERM handler is set.
+    ready = str(tmp_path / "ready")
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "raise-1", "hang-0", "noisy-0", ready)
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert lines.count("[worker 1] RuntimeError: worker 1's own failure") == 1

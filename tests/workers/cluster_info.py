@@ -18,10 +18,14 @@ if "noisy-0" in sys.argv and index == 0:
         sys.exit(1)
 
     signal.signal(signal.SIGTERM, noisy_stop)
+    open(sys.argv[-1], "w").close()  # the handler is set: worker 1 may fail now
 if "fail-1" in sys.argv and index == 1:
     sys.exit(3)
 if "raise-1" in sys.argv and index == 1:
-    time.sleep(1)  # worker 0 has set its handler
+    for _ in range(1200):  # up to 120 s: a busy machine starts Python slowly
+        if os.path.exists(sys.argv[-1]):
+            break
+        time.sleep(0.1)
     raise RuntimeError("worker 1's own failure")
 if "kill-1" in sys.argv and index == 1 or "kill-0" in sys.argv and index == 0:
     os.kill(os.getpid(), signal.SIGKILL)
