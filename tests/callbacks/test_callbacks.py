@@ -514,3 +514,39 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
         open(path, "w").close()
     assert sorted(_atomic.remove_stale_temporaries(target)) == sorted([here, dashed])
     assert os.path.exists(elsewhere) and os.path.exists(running) and os.path.exists(hostless)
+
+
+class _PressesCtrlC:
+    """An object whose finalizer presses Ctrl-C, where Python would lose the KeyboardInterrupt."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # bytecode to run Python's signal handler on, inside the finalizer
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_during_a_write_is_held_until_the_write_ends_and_a_second_one_stops_it(tmp_path, presses):
+    # Keras' save runs zipfile's finalizer; a Ctrl-C landing there used to be lost and training went on.
+    from kerasmulti._src.utils import atomic as _atomic
+
+    target = tmp_path / "m.json"
+    target.write_text("old")
+
+    def save(path):
+        with open(path, "w") as f:
+            f.write("new")
+        _PressesCtrlC()  # dropped at once: its finalizer runs here
+        if presses == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))
+
+    # A suite run in the background ignores SIGINT; a user's Python raises KeyboardInterrupt.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _atomic.write(str(target), save, "test", "target")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # One press: the write ends first, then stops. Two: it stops at once, the old file kept.
+    assert target.read_text() == ("new" if presses == 1 else "old") and _no_temporaries(tmp_path)

@@ -7,15 +7,23 @@ rename leaves only a temporary behind; `remove_stale_temporaries` clears those
 whose writer is gone. A write that fails (a full disk, a read-only or vanished
 folder) leaves the target as it was and raises an `OSError` that says so,
 names the target (not the temporary) and says what to do.
+
+Ctrl-C during a write is held back until the write ends: Python loses a
+KeyboardInterrupt raised inside a finalizer ("Exception ignored in"), and
+Keras' save runs some (zipfile's `__del__`), so a Ctrl-C landing there would
+let training go on. A second Ctrl-C stops the write at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
 import re
+import signal
 import socket
+import threading
 import uuid
 
 _MARK = ".kerasmulti-tmp-"
@@ -58,9 +66,10 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
         code = errno.ENOTDIR if error.errno == errno.EEXIST else error.errno
         raise _failed(error, temporary, target, caller, received, then, code) from error
     try:
-        save(temporary)
-        _fsync(temporary)
-        os.replace(temporary, target)
+        with _ctrl_c_held():
+            save(temporary)
+            _fsync(temporary)
+            os.replace(temporary, target)
     except BaseException as error:
         try:
             if os.path.exists(temporary):
@@ -74,6 +83,31 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
         _fsync(os.path.dirname(os.path.abspath(target)))
     except OSError:  # some file systems cannot sync a folder; the rename stands
         pass
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Raises the KeyboardInterrupt of a Ctrl-C pressed inside the block as it ends; a second one at once."""
+    held = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    if not held:  # another thread, or the user's own SIGINT handler: theirs to keep
+        yield
+        return
+    pressed = []
+
+    def hold(signum, frame):
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 _FIXES = {
