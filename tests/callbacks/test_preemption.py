@@ -39,6 +39,12 @@ def _final(folder):
         return [weights[k] for k in sorted(weights.files, key=lambda k: int(k.split("_")[1]))]
 
 
+def _batches(folder):
+    """The (epoch, batch, optimizer iterations) of each batch the runs in `folder` showed callbacks, in order."""
+    with open(os.path.join(folder, "batches.txt")) as f:
+        return [tuple(int(n) for n in line.split()) for line in f]
+
+
 def _logs(folder):
     return [json.load(open(os.path.join(folder, f"epoch-{e}.json"))) for e in range(3)]
 
@@ -47,7 +53,8 @@ def _logs(folder):
 def uninterrupted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("uninterrupted")
     _ran(folder)
-    return _final(folder), _logs(folder)
+    assert [steps for _, _, steps in _batches(folder)] == list(range(STEPS))
+    return _final(folder), _logs(folder), _batches(folder)
 
 
 def _strike_step(rng) -> int:
@@ -71,10 +78,12 @@ def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterr
         }
     # Another seed for Python's `random`: only the backup knows the epochs' order.
     _ran(tmp_path, "--reseed")
-    weights, logs = uninterrupted
+    weights, logs, batches = uninterrupted
     for got, expected in zip(_final(tmp_path), weights):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
     assert _logs(tmp_path) == logs  # also the resumed epoch's: its metrics went on from the backup's
+    # Callbacks saw each step once, under its own batch number: none passed over.
+    assert _batches(tmp_path) == batches
     assert not os.path.exists(tmp_path / "backup")  # done: deleted, as Keras does
 
 
@@ -87,6 +96,8 @@ def test_a_periodic_backup_killed_mid_epoch_resumes_at_its_step(tmp_path, uninte
     _ran(tmp_path, "--save-freq", "4", "--reseed")
     for got, expected in zip(_final(tmp_path), uninterrupted[0]):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+    # The killed run began steps 0-10; the re-run's callbacks see steps 8-17 only, each once.
+    assert _batches(tmp_path) == uninterrupted[2][:11] + uninterrupted[2][8:]
 
 
 def test_control_keras_backup_and_restore_loses_the_interrupted_epoch(tmp_path, uninterrupted):

@@ -236,6 +236,20 @@ def _assert_weights_equal(folder, expected):
                 np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=0, err_msg=key)
 
 
+def _assert_each_step_shown_once(folder, restarted_at=None):
+    """Callbacks saw every step under its own batch number, none passed over; killed, the restart repeats from `restarted_at`."""
+    for index in range(2):
+        with open(folder / f"batches-{index}.txt") as f:
+            seen = [tuple(int(n) for n in line.split()) for line in f]
+        assert all(steps == epoch * 4 + batch for epoch, batch, steps in seen), seen
+        steps = [steps for _, _, steps in seen]
+        if restarted_at is not None:  # the steps the killed run began, then the restart's from its backup
+            again = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+            assert steps[:again] == list(range(again)) and restarted_at < again, seen
+            steps = steps[again:]
+        assert steps == list(range(restarted_at or 0, 16)), seen
+
+
 def _strike(rng, victim=None):
     victim = int(rng.integers(0, 2)) if victim is None else victim
     step = int(rng.integers(1, 15))
@@ -250,7 +264,7 @@ def test_with_max_restarts_a_worker_stopped_mid_epoch_restarts_the_job_which_end
     # SIGKILL leaves no chance to save: the restarted job resumes at the last
     # epoch's backup, drawing that epoch's order and Dropout masks again.
     # SIGTERM: every worker backs up the step and exits 42, restarted at once.
-    strike, victim, _ = _strike(np.random.default_rng())
+    strike, victim, step = _strike(np.random.default_rng())
     result = _launch_workers(
         "multi_worker_resume.py", str(tmp_path), *STRUCK_RUN, *strike, "--signal", signal_name, launcher=("--max-restarts", "1")
     )
@@ -261,6 +275,7 @@ def test_with_max_restarts_a_worker_stopped_mid_epoch_restarts_the_job_which_end
     assert f"kerasmulti launch: {stopped}" in result.stdout
     assert "Starting all 2 workers again (restart 1 of 1): they resume from their last backup." in result.stdout
     _assert_weights_equal(tmp_path, uninterrupted_workers)
+    _assert_each_step_shown_once(tmp_path, restarted_at=step // 4 * 4 if signal_name == "KILL" else None)
 
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["chief", "worker 1"])
@@ -280,6 +295,7 @@ def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_th
     assert f"[worker 0] kerasmulti: SIGTERM received; the backup in '{tmp_path / 'backup'}' resumes {where}." in stopped.stdout
     _launch_workers("multi_worker_resume.py", str(tmp_path), *STRUCK_RUN)
     _assert_weights_equal(tmp_path, uninterrupted_workers)
+    _assert_each_step_shown_once(tmp_path)
 
 
 def test_sigterm_to_the_launcher_leaves_every_worker_backed_up_and_exits_42(tmp_path, uninterrupted_workers):

@@ -10,6 +10,8 @@ the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
 --shuffle passes fit's default shuffle=True (otherwise False); --dropout adds a
 Dropout layer. With --strike, worker I sends itself the signal as global step STEP
 (from 0) begins, once: OUT/struck marks that it did, so a resumed run goes on.
+Each worker appends one line per batch its callbacks see begin to
+OUT/batches-<index>.txt: the epoch, the batch and the optimizer's iterations.
 """
 
 import json
@@ -53,7 +55,12 @@ class Die(keras.callbacks.Callback):
 class Strike(keras.callbacks.Callback):
     steps = 0
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
     def on_train_batch_begin(self, batch, logs=None):
+        with open(os.path.join(out, f"batches-{index}.txt"), "a") as f:
+            f.write(f"{self.epoch} {batch} {int(self.model.optimizer.iterations.numpy())}\n")
         marker = os.path.join(out, "struck")
         if strike == self.steps and index == victim and not os.path.exists(marker):
             open(marker, "w").close()

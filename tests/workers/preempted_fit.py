@@ -11,7 +11,9 @@ building the model, so only a backup that keeps the order's seed can resume
 it (the resumed run passes it). With
 --strike STEP the process sends itself SIGTERM (--signal KILL: SIGKILL) as
 global step STEP (counted from 0) begins. A finished run writes FOLDER/final.npz and, per
-epoch, FOLDER/epoch-E.json with the epoch's logs.
+epoch, FOLDER/epoch-E.json with the epoch's logs. Every run appends one line
+per batch its callbacks see begin to FOLDER/batches.txt: the epoch, the
+batch and the optimizer's iterations.
 """
 
 import argparse
@@ -54,9 +56,14 @@ steps = []
 
 def on_batch_begin(batch, logs):
     steps.append(batch)
+    with open(os.path.join(args.folder, "batches.txt"), "a") as f:
+        f.write(f"{epochs[-1]} {batch} {int(parallel.optimizer.iterations)}\n")
     if args.strike is not None and len(steps) - 1 == args.strike:
         print(f"signal sent at {time.time():.3f}", flush=True)  # the grace a preemption needs, measured
         os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
+
+
+epochs = []
 
 
 def on_epoch_end(epoch, logs):
@@ -69,7 +76,9 @@ save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
 kind = keras.callbacks.BackupAndRestore if args.keras_backup else kerasmulti.ParallelBackupAndRestore
 callbacks = [
     kind(os.path.join(args.folder, "backup"), save_freq=save_freq),
-    keras.callbacks.LambdaCallback(on_train_batch_begin=on_batch_begin, on_epoch_end=on_epoch_end),
+    keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: epochs.append(epoch), on_train_batch_begin=on_batch_begin, on_epoch_end=on_epoch_end
+    ),
 ]
 parallel.fit(x, y, batch_size=8, epochs=3, callbacks=callbacks, verbose=0)
 np.savez(os.path.join(args.folder, "final.npz"), *[np.asarray(w) for w in model.weights])

@@ -94,14 +94,39 @@ def restore_metrics(model, values: list, batch) -> None:
 
 
 def skip_steps(model, steps: int, first_batch) -> None:
-    """Makes the next `steps` training steps read their batches without training on them.
+    """Makes `fit`'s next epoch pass over its first `steps` batches: read, not trained.
 
     Keras' `fit` starts an epoch at its first batch; a run resumed in the
-    middle of it passes over the batches already trained, each read from the
-    input (so the epoch's order goes on where it stopped) and logged with the
-    metrics as the backup saved them. `first_batch(batch)` is called with
-    the first batch read.
+    middle of it reads the batches already trained (so the epoch's order goes
+    on where it stopped) without training on them, and `first_batch(batch)`
+    is called with the first one read. On a parallel model the batches are
+    read before the epoch's first step, so callbacks see only the steps that
+    train, under their true batch numbers; on another model each is a step
+    that trains nothing and returns the metrics as they are.
     """
+    epochs = getattr(model, "_fit_epochs", None)
+    epochs = epochs() if epochs is not None else None
+    if epochs is None:
+        _skip_in_train_function(model, steps, first_batch)
+        return
+
+    def passing_over(enumerate_epoch=type(epochs)._enumerate_iterator):
+        del epochs._enumerate_iterator  # the epochs after this one start at their first batch
+        for begin, end, batches in enumerate_epoch(epochs):
+            for step in range(begin, min(end + 1, steps)):
+                try:
+                    batch = next(batches)
+                except StopIteration:  # the input ended before the backup's step: so does the epoch
+                    return
+                if step == 0:
+                    first_batch(batch)
+            if end >= steps:
+                yield begin, end, batches
+
+    epochs._enumerate_iterator = passing_over
+
+
+def _skip_in_train_function(model, steps: int, first_batch) -> None:
     original, per_call = model.train_function, getattr(model, "steps_per_execution", 1) or 1
     remaining = [steps]
 

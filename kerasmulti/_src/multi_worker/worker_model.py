@@ -249,6 +249,7 @@ class WorkerModel(ParallelModel):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras reduces the first distributed batch to build the model, which
         # fails across workers; one replica's part has the shapes it needs.
+        self._remember_epochs(iterator)
         if iterator is not None:
             for _, _, batches in iterator:
                 data_batch = next(batches)
