@@ -38,6 +38,7 @@ SIGNATURES = {
     "multi_worker_util.coordination_leader": ["cluster_spec"],
     "eager_context.context": [],
     "Functional": [],
+    "TFEpochIterator": ["distribute_strategy"],
     "coordination_config_pb2.CoordinatedJob": [],
     "xplane_pb2.XSpace": [],
 }
@@ -103,6 +104,19 @@ def test_private_names_still_behave_as_used():
     spec = _keras_private.compute_output_spec(model, keras.KerasTensor((None, 3)), training=False)
     assert tuple(spec.shape) == (None, 2)
     assert _keras_private.array_data_adapter.can_convert_arrays([np.ones(3)])
+
+
+def test_fit_numbers_its_batches_through_the_epoch_iterators_own_enumeration():
+    """A resumed epoch passes over its trained batches by replacing `_enumerate_iterator` on fit's iterator."""
+    import numpy as np
+
+    epochs = _keras_private.TFEpochIterator(
+        x=np.zeros((6, 1)), y=np.zeros((6, 1)), batch_size=2, distribute_strategy=tf.distribute.get_strategy()
+    )
+    assert [(begin, end) for begin, end, _ in epochs] == [(0, 0), (1, 1), (2, 2)]
+    batches = next(iter(epochs))[2]
+    epochs._enumerate_iterator = lambda: iter([(2, 2, batches)])
+    assert [(begin, end) for begin, end, _ in epochs] == [(2, 2)]
 
 
 def test_the_tf_data_pipeline_walk_still_sees_repeat_and_take():

@@ -61,6 +61,11 @@ try:
 except ImportError:  # Keras 3.15 and earlier
     from keras.src.backend.tensorflow import nn as tensorflow_nn
 
+# `fit`'s epoch iterator, whose batches `fit` numbers through
+# `self._enumerate_iterator()`: a resumed epoch passes over its trained
+# batches by giving the one `fit` made its own (`training_state.py`).
+from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
 # loss reduces through, so a replica's share of the batch's loss is patched in
 # there (`loss_parts.py`); the other helpers are the ones that function uses.
@@ -394,7 +399,7 @@ __all__ = [
     "optimizer_trainable_variables", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics",
     "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
-    "Functional", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
+    "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
     "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2",
 ]
