@@ -564,3 +564,68 @@ def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
     for a, b in zip(straight.weights, resumed.weights):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+
+
+def test_a_gan_loaded_from_its_weights_checkpoint_goes_on_with_its_optimizers_state(tmp_path):
+    # A ParallelModelCheckpoint of the weights (a GAN has no get_config, so no
+    # whole-model file), loaded into a new process's model: Keras skipped the
+    # state of the unbuilt d_optimizer and g_optimizer, which then started from zero.
+    data, path = _data("pairs"), str(tmp_path / "gan.weights.h5")
+    fit = dict(**data, batch_size=BATCH, shuffle=False, verbose=0)
+
+    def model():
+        gan = _gan(GAN, 4)
+        parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+        _gan_compile(parallel)
+        return gan, parallel
+
+    straight, parallel = model()
+    parallel.fit(**fit, epochs=2)
+    saved, parallel = model()
+    parallel.fit(**fit, epochs=1, callbacks=[kerasmulti.ParallelModelCheckpoint(path, save_weights_only=True)])
+    loaded, parallel = model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel.load_weights(path)
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert not loaded.d_optimizer.built  # Keras builds it at the first step: its state goes in then
+    parallel.fit(**fit, epochs=1)
+    for a, b in zip(straight.d_optimizer.variables + straight.g_optimizer.variables + straight.weights,
+                    loaded.d_optimizer.variables + loaded.g_optimizer.variables + loaded.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+
+
+def test_weights_loaded_before_the_first_step_bring_the_compiled_optimizers_state(tmp_path):
+    # Keras skips an unbuilt optimizer's saved state ("Skipping variable loading"); a resumed Adam would restart.
+    data, path = _data("xy"), str(tmp_path / "model.weights.h5")
+    fit = dict(**data, batch_size=BATCH, shuffle=False, verbose=0)
+
+    def model():
+        template = _functional(keras.Model, 5)
+        parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+        parallel.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return template, parallel
+
+    straight, parallel = model()
+    parallel.fit(**fit, epochs=2)
+    saved, parallel = model()
+    parallel.fit(**fit, epochs=1)
+    parallel.save_weights(path)
+    loaded, parallel = model()
+    parallel.load_weights(path)
+    assert int(parallel.optimizer.iterations.numpy()) == -(-ROWS // BATCH)
+    parallel.fit(**fit, epochs=1)
+    for a, b in zip(straight.weights, loaded.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+def test_a_whole_model_checkpoint_of_a_gan_without_get_config_is_refused_before_training(tmp_path):
+    # Keras' save fails on it (NotImplementedError) at the first save, after a whole epoch.
+    gan = _gan(GAN, 6)
+    parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+    _gan_compile(parallel)
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "gan.keras"))
+    with pytest.raises(ValueError, match=r"cannot save the whole '.*': its class has no get_config\(\)\. Pass "
+                       r"save_weights_only=True\. Received: save_weights_only=False"):
+        parallel.fit(**_data("pairs"), batch_size=BATCH, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert not gan.d_optimizer.built  # no step ran

@@ -9,7 +9,8 @@ saves OUT/reference.npz. Phases:
   (the last global batch has one row, so one replica gets none); fit, evaluate,
   predict. Each worker builds its model with its own seed: the chief's weights
   win.
-- dataset: the same through a tf.data.Dataset batched globally.
+- dataset: the same through a tf.data.Dataset batched globally, the template
+  compiled before parallelize (the parallel model is compiled at once).
 - local: each worker reads different rows, and a different number of them,
   through a per-worker dataset function; one process trains on the
   concatenation of the workers' batches (the shorter worker's end empty).
@@ -77,11 +78,13 @@ evaluation = target.evaluate(x, y, batch_size=4, verbose=0)
 prediction = target.predict(x, batch_size=4, verbose=0)
 save("arrays", template, loss=history["loss"], mae=history["mae"], evaluation=evaluation, prediction=prediction)
 
-# dataset
+# dataset, on a template compiled before parallelize (as one loaded from a .keras file)
 template = model(seed=0, batchnorm=False)
-target = trainable(template)
+template.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"])
+target = template if reference else kerasmulti.parallelize(template)
+compiled = target.compiled  # before any fit: the template's compile is adopted at once
 history = target.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(6), epochs=2, verbose=0).history
-save("dataset", template, loss=history["loss"])
+save("dataset", template, loss=history["loss"], compiled=int(compiled))
 
 
 # local: worker w holds LOCAL_ROWS[w] rows of its own; per-replica batches of 2

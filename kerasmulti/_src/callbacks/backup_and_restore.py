@@ -240,22 +240,13 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             return None
         fields = _read_metadata(weights, metadata)
         try:
-            optimizer = self.model.optimizer
-            # Its variables must exist to be loaded, if it had any (a GAN's compile() optimizer is never used).
-            if optimizer is not None and not optimizer.built:
-                if _training_state.saved_variables(weights, "optimizer") > len(optimizer.variables):
-                    optimizer.build(self.model.trainable_variables)
-            deferred = _training_state.load_own_optimizers_when_built(self.model, weights)
-            with warnings.catch_warnings():
-                for name in deferred:
-                    warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{name}'")
-                if weights.endswith(".weights.h5"):
-                    self.model.load_weights(weights)
-                else:  # Keras reads the format from the suffix, which `.bkp` hides
-                    with tempfile.TemporaryDirectory() as folder:
-                        copy = os.path.join(folder, "previous.weights.h5")
-                        shutil.copyfile(weights, copy)
-                        self.model.load_weights(copy)
+            if weights.endswith(".weights.h5"):
+                self.model.load_weights(weights)
+            else:  # Keras reads the format from the suffix, which `.bkp` hides
+                with tempfile.TemporaryDirectory() as folder:
+                    copy = os.path.join(folder, "previous.weights.h5")
+                    shutil.copyfile(weights, copy)
+                    self.model.load_weights(copy)
             state = _training_state.read(weights)
         except OSError as error:
             raise _Damaged(weights, error) from error

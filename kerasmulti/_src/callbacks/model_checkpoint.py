@@ -99,7 +99,9 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
             positive int. After the first batch, if `filepath` names a field
             the logs do not have, or `save_best_only` with `mode="auto"`
             monitors a metric the model does not report (with an explicit
-            mode, Keras warns at each save instead).
+            mode, Keras warns at each save instead). When training starts, if
+            the whole model is to be saved and its class cannot be written
+            (a subclassed model, such as a GAN, without `get_config`).
 
     Example:
 
@@ -178,6 +180,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         if _cluster.is_chief():  # another worker's temporary may be the chief's save in flight
             _atomic.remove_stale_temporaries(self.filepath)
         self._names_checked = False
+        if not self.save_weights_only:
+            _check_serializable(unwrap(self.model))
         super().on_train_begin(logs)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -301,3 +305,14 @@ def check_target(path, caller: str, name: str, value, folder: bool = False) -> N
         raise ValueError(
             f"{caller} cannot write into '{existing}': permission denied. Pick another folder. Received: {name}={value!r}"
         )
+
+
+def _check_serializable(template) -> None:
+    """Refuses, before the first step, a whole-model file Keras would fail to write after an epoch."""
+    try:
+        template.get_config()
+    except NotImplementedError as error:
+        raise ValueError(
+            f"ParallelModelCheckpoint cannot save the whole '{template.name}': its class has no get_config(). "
+            "Pass save_weights_only=True. Received: save_weights_only=False"
+        ) from error

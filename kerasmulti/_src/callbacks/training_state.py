@@ -14,11 +14,9 @@ backup carries each:
   `skip_steps`), and the epoch's metrics go on from their saved values, so
   the epoch's logs are those of the whole epoch.
 
-And one the weights file holds but Keras does not load: the optimizers a
-model keeps itself (a GAN's `d_optimizer`, `g_optimizer`), which Keras builds
-only at their first step, so at load time they have no variables to fill
-("Skipping variable loading for optimizer"). Their saved state is put in as
-Keras builds them (`load_own_optimizers_when_built`).
+The optimizers' states are in the weights file; the parallel model's
+`load_weights` puts them back also into optimizers Keras has not built yet
+(a GAN's own, `data_parallel/persistence.py`).
 
 All of it is written into the weights file (group `kerasmulti_state`), which
 is replaced atomically, so the weights and the state never disagree.
@@ -27,7 +25,6 @@ is replaced atomically, so the weights and the state never disagree.
 from __future__ import annotations
 
 import h5py
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -144,39 +141,3 @@ def _skip_in_train_function(model, steps: int, first_batch) -> None:
         return model.get_metrics_result()
 
     model.train_function = skipping
-
-
-def saved_variables(path: str, attribute: str) -> int:
-    """How many variables Keras' `save_weights` wrote at `path` for the model's `attribute` (its optimizer)."""
-    with h5py.File(path, "r") as f:
-        return len(f.get(f"{attribute}/vars", ()))
-
-
-def load_own_optimizers_when_built(model, path: str) -> list[str]:
-    """Has the template's own unbuilt optimizers load their state from `path` when Keras builds them.
-
-    Returns their names, whose "Skipping variable loading" warning Keras then gives for nothing.
-    """
-    template = unwrap(model)
-    deferred = []
-    with h5py.File(path, "r") as f:
-        for name, optimizer in vars(template).items():
-            if not isinstance(optimizer, keras.optimizers.Optimizer) or optimizer is template.optimizer or optimizer.built:
-                continue
-            saved = f.get(f"{name}/vars")  # where Keras' save_weights writes a model's attribute
-            if saved is not None and len(saved) > len(optimizer.variables):
-                _load_when_built(optimizer, {key: saved[key][()] for key in saved})
-                deferred.append(optimizer.name)
-    return deferred
-
-
-def _load_when_built(optimizer, saved: dict) -> None:
-    build = optimizer.build
-
-    def build_then_load(variables):
-        build(variables)
-        del optimizer.build  # the class's own again
-        with tf.init_scope():  # once, now: not an assignment in every step's graph
-            optimizer.load_own_variables(saved)
-
-    optimizer.build = build_then_load

@@ -8,11 +8,25 @@ loading the layers that fit are put back as they were. Keras saves no weights
 of a model it does not consider built, which a model without `call` (a GAN)
 never is: once all its parts have weights it is marked built, so its
 checkpoints and backups are written and read as any model's.
+
+Keras loads an optimizer's state only into an optimizer that has its
+variables, which it makes at the first step: loaded before it (a resume),
+the state is skipped with a warning. Loading weights fills them all: the
+compiled optimizer is built first, and the ones a model keeps itself (a
+GAN's `d_optimizer`, `g_optimizer`, built in the model's own first step) load
+their saved state as Keras builds them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import warnings
+import zipfile
+
+import h5py
+import keras
+import tensorflow as tf
 
 from kerasmulti._src.data_parallel.custom_steps import parts_built
 from kerasmulti._src.utils.arguments import check_readable_file, check_save_path
@@ -49,8 +63,16 @@ class TemplatePersistence:
         """Loads weights into the template (see `keras.Model.load_weights`); a file that does not fit changes nothing."""
         check_readable_file(filepath, "weights", not_found=FileNotFoundError)
         _built_once_parts_are(self._template)
-        with _unchanged_if_refused(self._template, filepath):
-            return self._template.load_weights(filepath, *args, **kwargs)
+        template = self._template
+        with _unchanged_if_refused(template, filepath):
+            unbuilt = _optimizer_states(template, filepath)
+            with warnings.catch_warnings():
+                for optimizer in unbuilt:  # loaded as Keras builds it: its warning says otherwise
+                    warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{optimizer.name}'")
+                loaded = template.load_weights(filepath, *args, **kwargs)
+        for optimizer, saved in unbuilt.items():
+            _load_when_built(optimizer, saved)
+        return loaded
 
     def get_config(self):
         return self._template.get_config()
@@ -62,6 +84,57 @@ class TemplatePersistence:
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+def _optimizer_states(template, filepath) -> dict:
+    """Builds the compiled optimizer if `filepath` holds its state; returns the model's own unbuilt ones' saved states."""
+    unbuilt = {}
+    with _weights_file(str(filepath)) as f:
+        if f is None:
+            return unbuilt
+        optimizer = getattr(template, "optimizer", None)
+        if optimizer is not None and not optimizer.built and len(f.get("optimizer/vars", ())) > len(optimizer.variables):
+            optimizer.build(template.trainable_variables)
+        for name, own in vars(template).items():
+            if not isinstance(own, keras.optimizers.Optimizer) or own is optimizer or own.built:
+                continue
+            saved = f.get(f"{name}/vars")  # where Keras writes a model's attribute
+            if saved is not None and len(saved) > len(own.variables):
+                unbuilt[own] = {key: saved[key][()] for key in saved}
+    return unbuilt
+
+
+@contextlib.contextmanager
+def _weights_file(path: str):
+    """The HDF5 weights of a `.weights.h5` or `.keras` file (None for others, or one h5py cannot read)."""
+    try:
+        if path.endswith(".keras"):
+            with zipfile.ZipFile(path) as archive:
+                source = io.BytesIO(archive.read("model.weights.h5"))
+        elif path.endswith(".weights.h5"):
+            source = path
+        else:
+            source = None
+        f = None if source is None else h5py.File(source, "r")
+    except (OSError, KeyError, zipfile.BadZipFile):  # Keras' own load says what is wrong with the file
+        f = None
+    try:
+        yield f
+    finally:
+        if f is not None:
+            f.close()
+
+
+def _load_when_built(optimizer, saved: dict) -> None:
+    build = optimizer.build
+
+    def build_then_load(variables):
+        build(variables)
+        del optimizer.build  # the class's own again
+        with tf.init_scope():  # once, now: not an assignment in every step's graph
+            optimizer.load_own_variables(saved)
+
+    optimizer.build = build_then_load
 
 
 def _built_once_parts_are(template) -> None:

@@ -369,6 +369,8 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)
     parallel._seed, parallel._fit_calls = int(seed.numpy()), 0
+    # A template that comes compiled makes a compiled parallel model: `if not parallel.compiled` tells the truth.
+    parallel._adopt_template_compile()
     return parallel
 
 
