@@ -542,22 +542,27 @@ def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):
     # was loaded: they used to start from zero (the resumed run ended elsewhere).
     data = _data("pairs")
 
+    seen = []
+
     def run(epochs, delete_checkpoint=True):
         gan = _gan(GAN, 3)
         parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
         _gan_compile(parallel)
         backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path / "backup"), delete_checkpoint=delete_checkpoint)
-        parallel.fit(**data, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[backup])
+        steps = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(int(gan.d_optimizer.iterations.numpy())))
+        parallel.fit(**data, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[backup, steps])
         return gan
 
     straight = run(2)
     run(1, delete_checkpoint=False)  # the first epoch, backed up; then a new process, as after a kill
+    seen.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed = run(2)
     # Keras' "Skipping variable loading" is not given for an optimizer that does resume (nor an unused one).
     assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
     steps = 2 * -(-ROWS // BATCH)  # two epochs of whole and last partial batches
+    assert seen == list(range(steps // 2, steps))  # callbacks saw the step count go on from the backup's
     for optimizer in ("d_optimizer", "g_optimizer"):
         assert int(getattr(resumed, optimizer).iterations.numpy()) == int(getattr(straight, optimizer).iterations.numpy()) == steps
         for a, b in zip(getattr(straight, optimizer).variables, getattr(resumed, optimizer).variables):
@@ -589,6 +594,8 @@ def test_a_gan_loaded_from_its_weights_checkpoint_goes_on_with_its_optimizers_st
         parallel.load_weights(path)
     assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
     assert not loaded.d_optimizer.built  # Keras builds it at the first step: its state goes in then
+    # Its step count is there already, for a callback before the first step (a schedule, a logger).
+    assert int(loaded.d_optimizer.iterations.numpy()) == int(saved.d_optimizer.iterations.numpy()) > 0
     parallel.fit(**fit, epochs=1)
     for a, b in zip(straight.d_optimizer.variables + straight.g_optimizer.variables + straight.weights,
                     loaded.d_optimizer.variables + loaded.g_optimizer.variables + loaded.weights):

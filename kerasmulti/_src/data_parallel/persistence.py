@@ -71,6 +71,10 @@ class TemplatePersistence:
                     warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{optimizer.name}'")
                 loaded = template.load_weights(filepath, *args, **kwargs)
         for optimizer, saved in unbuilt.items():
+            # What it has before it is built (its step count, learning rate) is
+            # read now: a callback before the first step sees the saved step.
+            for i, variable in enumerate(optimizer.variables):
+                variable.assign(saved[str(i)])
             _load_when_built(optimizer, saved)
         return loaded
 
