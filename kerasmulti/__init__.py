@@ -9,6 +9,8 @@ Public API (everything else is private, under `kerasmulti._src`):
 - `device_scope(device)`, `on_device(layer, device)`: model parallelism, saved with the model
   in `.keras` files that plain Keras loads too; `load_model(path)` puts the placement back;
   `placement_summary(model)`, `remap_devices(model, mapping)`, `strip_placement(model)`.
+- `pipeline(model, microbatches=M)`: a placed model's stages work at the same time on
+  micro-batches (`gpus=N` cuts an unplaced model into N stages); a `PipelineModel`.
 - `unwrap(parallel)`: the template model behind a parallel model.
 - `available_devices()`, `simulate_devices(n)`: replica devices, real or simulated.
 - `ParallelModelCheckpoint`: a drop-in `ModelCheckpoint` saving the template atomically.
@@ -59,6 +61,8 @@ _PUBLIC = {
     "load_model": "kerasmulti._src.model_parallel.portable",
     "strip_placement": "kerasmulti._src.model_parallel.portable",
     "PlacementSummary": "kerasmulti._src.model_parallel.summary",
+    "pipeline": "kerasmulti._src.model_parallel.pipeline",
+    "PipelineModel": "kerasmulti._src.model_parallel.pipeline",
     "placement_summary": "kerasmulti._src.model_parallel.summary",
     "launch": "kerasmulti._src.multi_worker.launch",
     "LaunchError": "kerasmulti._src.multi_worker.tf_config",
@@ -81,6 +85,8 @@ __all__ = [
     "parallelize",
     "ParallelModel",
     "ParallelModelCheckpoint",
+    "pipeline",
+    "PipelineModel",
     "placement_summary",
     "PlacementSummary",
     "remap_devices",
@@ -100,6 +106,7 @@ if TYPE_CHECKING:  # what readers, IDEs and type checkers see
     from kerasmulti._src.inference.parallel_predict import parallel_predict
     from kerasmulti._src.model_parallel.device_scope import device_scope
     from kerasmulti._src.model_parallel.on_device import OnDevice
+    from kerasmulti._src.model_parallel.pipeline import PipelineModel, pipeline
     from kerasmulti._src.model_parallel.placement import on_device, remap_devices
     from kerasmulti._src.model_parallel.portable import load_model, strip_placement
     from kerasmulti._src.model_parallel.summary import PlacementSummary, placement_summary

@@ -61,9 +61,8 @@ try:
 except ImportError:  # Keras 3.15 and earlier
     from keras.src.backend.tensorflow import nn as tensorflow_nn
 
-# `fit`'s epoch iterator, whose batches `fit` numbers through
-# `self._enumerate_iterator()`: a resumed epoch passes over its trained
-# batches by giving the one `fit` made its own (`training_state.py`).
+# `fit`'s epoch iterator: a resumed epoch passes over its trained batches by
+# giving the one `fit` made its own `_enumerate_iterator` (`training_state.py`).
 from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
 # Keras' loss module: `reduce_weighted_values` is the one function every Keras
@@ -99,11 +98,7 @@ from keras.src.trainers.trainer import model_supports_jit
 # accumulators or Keras' clipping and weight-decay rules. (Listed here for
 # `tests/test_keras_private.py`; they are attributes, not names in `__all__`.)
 OPTIMIZER_ATTRIBUTES = (
-    "_iterations",
-    "_accumulated_gradients",
-    "_get_variable_index",
-    "_filter_empty_gradients",
-    "_clip_gradients",
+    "_iterations", "_accumulated_gradients", "_get_variable_index", "_filter_empty_gradients", "_clip_gradients",
     "_use_weight_decay",
 )
 

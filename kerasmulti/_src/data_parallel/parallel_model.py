@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-import weakref
 
 import keras
 import tensorflow as tf
@@ -137,14 +136,6 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         if len(self._replica_devices) > 1:
             return False
         return super()._resolve_auto_jit_compile()
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        self._remember_epochs(iterator)
-        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
-
-    def _remember_epochs(self, iterator) -> None:
-        # The epoch iterator `fit` made: a resumed epoch passes over its trained batches there (`training_state`).
-        self._fit_epochs = None if iterator is None else weakref.ref(iterator)
 
     def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
         """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""

@@ -11,11 +11,14 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
   which Keras leaves out of a model nested in another.
 - attributes the template's own class or its user gave it, for callbacks
   written for the template (`self.model.steps_taken`).
+- `fit`'s epoch iterator, kept (weakly) from Keras' `_maybe_symbolic_build`,
+  where a resumed epoch passes over its trained batches (`callbacks/training_state.py`).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import keras
 
@@ -99,6 +102,14 @@ class TemplateAccess:
             f"'{template.name}' has none of its own to lend. Reach the template with "
             f"kerasmulti.unwrap(model). Received: name={name!r}"
         )
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        self._remember_epochs(iterator)
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def _remember_epochs(self, iterator) -> None:
+        # The epoch iterator `fit` made: a resumed epoch passes over its trained batches there (`training_state`).
+        self._fit_epochs = None if iterator is None else weakref.ref(iterator)
 
     def train_on_batch(self, *args, **kwargs):
         self._adopt_template_compile()

@@ -197,9 +197,7 @@ class WorkerModel(ParallelModel):
 
     def _new_timing(self):
         strategy = self._strategy
-        return _balance.ReplicaTiming(
-            _cluster_devices(strategy), lambda table: _worker_inputs.gather_step(strategy, table)
-        )
+        return _balance.ReplicaTiming(_cluster_devices(strategy), lambda table: _worker_inputs.gather_step(strategy, table))
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -369,8 +367,7 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)
     parallel._seed, parallel._fit_calls = int(seed.numpy()), 0
-    # A template that comes compiled makes a compiled parallel model: `if not parallel.compiled` tells the truth.
-    parallel._adopt_template_compile()
+    parallel._adopt_template_compile()  # a compiled template makes a compiled model, as in one process
     return parallel
 
 

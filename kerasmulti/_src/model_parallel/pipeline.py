@@ -1,0 +1,221 @@
+"""`pipeline`: a placed model's stages work at the same time, on micro-batches.
+
+A model placed over devices (`device_scope`, `on_device`) runs its stages one
+after the other: while the second device works, the first waits. Cut into M
+micro-batches, the batch runs as M replicas of the model on the same stages,
+inside one step: TensorFlow runs an op as soon as its inputs are ready, so
+stage 1 works on micro-batch m + 1 while stage 2 works on micro-batch m (the
+forward and backward passes of GPipe, scheduled by the dataflow). The
+replicas are a parallel model's (`data_parallel/`), all on the first stage's
+device, their placed layers on their own: the loss, metrics, sample weights,
+the losses layers add and BatchNormalization (the whole batch's statistics)
+are the whole batch's, as on one device, and the gradients are summed.
+
+An unplaced functional or Sequential model with `gpus=N` is cut into N stages
+first: its layers, in the order the graph runs them, are split where the
+running cost (parameters and an estimate of each layer's multiply-adds per
+row) crosses each N-th of the total, and the model is rebuilt with the same
+layer objects, each called on its stage's device (`rebuild.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
+from kerasmulti._src.devices import resolve_device, resolve_devices
+from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
+from kerasmulti._src.utils.arguments import is_int
+
+
+class PipelineModel(ParallelModel):
+    """A placed model trained and run on micro-batches; made by `pipeline`.
+
+    It shares every weight with its template (`kerasmulti.unwrap`), and saves
+    the template, as a parallel model does.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=4)
+    print(piped.stages, piped.microbatches)
+    ```
+    """
+
+    def __init__(self, template, stages, microbatches: int):
+        # Each part is cut, and the outputs joined, on the host, as parallelize's merge does.
+        super().__init__(template, [stages[0]] * microbatches, "/cpu:0")
+        self.name = f"pipeline_{template.name}"
+        self._stages = list(stages)
+
+    @property
+    def stages(self) -> list[str]:
+        """The devices the template's stages run on, in the order the graph first reaches them."""
+        return list(self._stages)
+
+    @property
+    def microbatches(self) -> int:
+        """How many micro-batches each batch is cut into (fewer when it has fewer rows)."""
+        return len(self._replica_devices)
+
+    def summary(self, *args, **kwargs):
+        """Prints the template's summary, preceded by the stages and micro-batches."""
+        print(f"Pipelined over {len(self._stages)} stage(s): {', '.join(self._stages)}; {self.microbatches} micro-batches.")
+        return self._template.summary(*args, **kwargs)
+
+
+def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> PipelineModel:
+    """Runs a model placed over devices as a pipeline of micro-batches.
+
+    Each batch is cut along axis 0 into `microbatches` parts (sizes differ by
+    at most one; a batch with fewer rows makes fewer parts), and the parts
+    flow through the model's stages in one step, so the devices work at the
+    same time instead of in turn. Results equal those of the model on one
+    device with the whole batch: loss, metrics, gradients, sample and class
+    weights, masks, the losses layers add, and BatchNormalization, whose
+    statistics are the whole batch's (its layers then wait for every part,
+    which costs overlap). The returned model shares the template's weights:
+    compile, fit, evaluate, predict and save it, with kerasmulti's callbacks,
+    as a model from `parallelize`.
+
+    The stages are the devices the model's layers are placed on
+    (`device_scope`, `on_device`). With `gpus=N`, an unplaced functional or
+    Sequential model is cut into N stages of similar cost on the first N
+    devices of `available_devices()`, its layers in the order the graph runs
+    them (`placement_summary(kerasmulti.unwrap(piped))` shows the cut).
+
+    Args:
+        model: A `keras.Model`: placed over at least two devices, or, with
+            `gpus`, an unplaced functional or Sequential model.
+        microbatches: How many parts each batch is cut into, at least 1. More
+            parts overlap more, and each is a smaller step: 4 to 8 per stage
+            is a start.
+        gpus: Cut an unplaced model into this many stages, at least 2.
+
+    Returns:
+        A `PipelineModel`.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model`, or `microbatches` or
+            `gpus` not an int.
+        ValueError: If `microbatches` or `gpus` is out of range; if a placed
+            model has one stage and no `gpus`, or a placed model is given
+            `gpus`; if a model to cut is not functional or Sequential, or
+            has fewer layers than stages.
+        DeviceError: If a stage's device does not exist on this machine.
+
+    Example:
+
+    ```python
+    import kerasmulti
+    kerasmulti.simulate_devices(2)  # only without GPUs, before TensorFlow starts
+    import keras, numpy as np
+    first, second = kerasmulti.available_devices()[:2]
+    inputs = keras.Input((8,))
+    with kerasmulti.device_scope(first):
+        hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    with kerasmulti.device_scope(second):
+        outputs = keras.layers.Dense(1)(hidden)
+    piped = kerasmulti.pipeline(keras.Model(inputs, outputs), microbatches=4)
+    piped.compile(optimizer="adam", loss="mse")
+    piped.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"pipeline() expects a keras.Model placed over devices. Received: model={type(model).__name__}"
+        )
+    if not is_int(microbatches):
+        raise TypeError(
+            f"pipeline() takes microbatches as an int, such as 4. Received: microbatches={microbatches!r}"
+        )
+    if microbatches < 1:
+        raise ValueError(f"pipeline() needs microbatches of at least 1. Received: microbatches={microbatches!r}")
+    template = unwrap(model)
+    placed = stage_devices(template)
+    if gpus is None:
+        if len(placed) < 2:
+            raise ValueError(
+                "pipeline() needs a model placed over 2+ devices (device_scope), or gpus= to cut it. "
+                f"Received: stages={placed}"
+            )
+        stages = [resolve_device(device, "pipeline()") for device in placed]
+    else:
+        if placed:
+            raise ValueError(
+                f"pipeline() cuts unplaced models only; this one is placed. Drop gpus=. Received: gpus={gpus!r}"
+            )
+        if not is_int(gpus) or gpus < 2:
+            raise ValueError(f"pipeline() cuts a model into gpus= stages, at least 2. Received: gpus={gpus!r}")
+        stages = resolve_devices(int(gpus), caller="pipeline()")
+        template = cut(template, stages)
+    return PipelineModel(template, stages, int(microbatches))
+
+
+def stage_devices(model: keras.Model) -> list[str]:
+    """The devices `model`'s placed layers run on, in the order its layers list them."""
+    devices = []
+    for layer in keras_private.flatten_layers(model, include_self=False):
+        if isinstance(layer, OnDevice) and layer.device not in devices:
+            devices.append(layer.device)
+    return devices
+
+
+def cut(model: keras.Model, devices: list[str]) -> keras.Model:
+    """`model` rebuilt with its layers on `devices`, in graph order, in stages of similar cost."""
+    if type(model) not in REBUILDABLE:
+        raise ValueError(
+            "pipeline() cuts functional and Sequential models only; place a subclassed one with "
+            f"device_scope. Received: model={type(model).__name__}"
+        )
+    layers = _in_graph_order(model)
+    if len(layers) < len(devices):
+        raise ValueError(
+            f"pipeline() cannot cut {len(layers)} layer(s) into {len(devices)} stages. Pass fewer gpus=. "
+            f"Received: gpus={len(devices)}"
+        )
+    costs = [_cost(layer) for layer in layers]
+    stage_of, start = {}, 0
+    for stage in range(len(devices)):
+        # The stage ends where the running cost is nearest its share, leaving a layer for each stage after it.
+        last = len(layers) - (len(devices) - stage)
+        end = start
+        target = sum(costs) * (stage + 1) / len(devices)
+        while end < last and abs(sum(costs[: end + 2]) - target) <= abs(sum(costs[: end + 1]) - target):
+            end += 1
+        for layer in layers[start: end + 1]:
+            stage_of[id(layer)] = devices[stage]
+        start = end + 1
+    return rebuilt(model, lambda layer, node: OnDevice(layer, stage_of[id(layer)], _validated=True))
+
+
+def _in_graph_order(model: keras.Model) -> list:
+    if isinstance(model, keras.Sequential):
+        return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    by_depth = keras_private.nodes_by_depth(model)
+    layers = []
+    for depth in sorted(by_depth, reverse=True):
+        for node in by_depth[depth]:
+            if not node.is_input and node.operation not in layers:
+                layers.append(node.operation)
+    return layers
+
+
+def _cost(layer) -> float:
+    """Parameters, plus multiply-adds per row: each weight once per output position (a Dense: once)."""
+    parameters = layer.count_params() if layer.built else 0
+    try:
+        shape = tuple(layer.output.shape)
+    except (AttributeError, ValueError):  # a layer called more than once: its weights count
+        shape = None
+    positions = math.prod(d or 1 for d in shape[1:-1]) if shape is not None and len(shape) > 2 else 1
+    outputs = math.prod(d or 1 for d in shape[1:]) if shape is not None else 0
+    return parameters + parameters * positions + outputs

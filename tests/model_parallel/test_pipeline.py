@@ -1,0 +1,211 @@
+"""pipeline(): a placed model on micro-batches gives one device's numbers with the whole batch."""
+
+from simulated import DEVICES
+
+import keras
+import numpy as np
+import pytest
+
+import kerasmulti
+
+assert DEVICES >= 3  # stages on /cpu:1 and /cpu:2; a third device for the cut
+FIT = dict(batch_size=10, epochs=2, shuffle=False, verbose=0)  # 26 rows: 10, 10, 6
+
+
+def _stacked(seed, batchnorm=False):
+    """Two stages of Dense layers, placed with device_scope."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    with kerasmulti.device_scope("/cpu:1"):
+        hidden = keras.layers.Dense(12, activation="relu")(inputs)
+        if batchnorm:
+            hidden = keras.layers.BatchNormalization()(hidden)
+    with kerasmulti.device_scope("/cpu:2"):
+        hidden = keras.layers.Dense(12, activation="tanh")(hidden)
+        outputs = keras.layers.Dense(2)(hidden)
+    return keras.Model(inputs, outputs)
+
+
+class MeanActivity(keras.layers.Layer):
+    """Adds the mean of its inputs' squares as a loss: a mean over the batch's rows."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _two_inputs_two_outputs(seed):
+    """A masked sequence input and a dense one; a per-step head and a regularised head, on two stages."""
+    keras.utils.set_random_seed(seed)
+    tokens, extra = keras.Input((5,), dtype="int32", name="tokens"), keras.Input((3,), name="extra")
+    with kerasmulti.device_scope("/cpu:1"):
+        steps = keras.layers.Embedding(9, 4, mask_zero=True)(tokens)
+        steps = keras.layers.LSTM(4, return_sequences=True)(steps)
+    with kerasmulti.device_scope("/cpu:2"):
+        tags = keras.layers.Dense(2, name="tags")(steps)
+        pooled = keras.layers.GlobalAveragePooling1D()(steps)
+        joined = MeanActivity()(keras.layers.concatenate([pooled, extra]))
+        score = keras.layers.Dense(1, name="score", activity_regularizer=keras.regularizers.L1(0.01))(joined)
+    return keras.Model([tokens, extra], {"tags": tags, "score": score})
+
+
+def _data(kind, rows=26):
+    rng = np.random.default_rng()
+    if kind == "two inputs, two outputs, mask":
+        lengths = rng.integers(1, 6, size=(rows, 1))
+        tokens = np.where(np.arange(5) < lengths, rng.integers(1, 9, size=(rows, 5)), 0).astype("int32")
+        x = {"tokens": tokens, "extra": rng.normal(size=(rows, 3)).astype("float32")}
+        y = {"tags": rng.normal(size=(rows, 5, 2)).astype("float32"), "score": rng.normal(size=(rows, 1)).astype("float32")}
+        return dict(x=x, y=y)
+    return dict(
+        x=rng.normal(size=(rows, 6)).astype("float32"), y=rng.normal(size=(rows, 2)).astype("float32"),
+        sample_weight=rng.uniform(0.2, 2.0, size=rows).astype("float32"),
+    )
+
+
+CASES = {
+    "dense, sample weights": (lambda seed: _stacked(seed), dict(loss="mse", metrics=["mae"])),
+    "batchnorm": (lambda seed: _stacked(seed, batchnorm=True), dict(loss="mse", metrics=["mae"])),
+    "two inputs, two outputs, mask": (_two_inputs_two_outputs, dict(loss={"tags": "mse", "score": "mse"}, metrics={"score": "mae"})),
+}
+
+
+def _assert_same(reference, template, expected, got):
+    assert sorted(got) == sorted(expected)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=a.path)
+
+
+@pytest.mark.parametrize("microbatches", [4, 1, 2, 3, 8])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_pipeline_trains_and_evaluates_with_one_devices_numbers(case, microbatches):
+    # 26 rows in batches of 10: the last has 6, fewer than 8 micro-batches (6 parts, not an error).
+    build, compile_arguments = CASES[case]
+    data = _data(case)
+    reference, template = build(3), build(3)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), **compile_arguments)
+    piped = kerasmulti.pipeline(template, microbatches=microbatches)
+    piped.compile(optimizer=keras.optimizers.Adam(0.01), **compile_arguments)
+    expected, got = reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history
+    _assert_same(reference, template, expected, got)
+    evaluate = dict(batch_size=10, verbose=0, return_dict=True)
+    _assert_same(reference, template, reference.evaluate(**data, **evaluate), piped.evaluate(**data, **evaluate))
+
+
+def test_a_pipeline_predicts_the_templates_outputs():
+    template = _stacked(4)
+    x = _data("dense")["x"]
+    got = kerasmulti.pipeline(template, microbatches=4).predict(x, batch_size=10, verbose=0)
+    np.testing.assert_allclose(got, template.predict(x, batch_size=10, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_weights():
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((6,))] + [keras.layers.Dense(16, activation="relu") for _ in range(6)] + [keras.layers.Dense(2)])
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    piped = kerasmulti.pipeline(model, gpus=3, microbatches=4)
+    placed = kerasmulti.unwrap(piped)
+    devices = [layer.device for layer in placed.layers]
+    # Costs (parameters, plus multiply-adds per row): 240 for 6 -> 16, 560 for each 16 -> 16, 70 for 16 -> 2;
+    # 7 layers, a third of 3,110 each: 800, 1,120, 1,190.
+    assert devices == ["/device:CPU:0"] * 2 + ["/device:CPU:1"] * 2 + ["/device:CPU:2"] * 3
+    assert piped.stages == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    data = _data("dense")
+    reference.compile(optimizer="sgd", loss="mse")
+    piped.compile(optimizer="sgd", loss="mse")
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
+
+
+def test_a_pipelined_model_saves_a_file_plain_keras_loads(tmp_path):
+    template = _stacked(6)
+    piped = kerasmulti.pipeline(template, microbatches=3)
+    piped.compile(optimizer="adam", loss="mse")
+    data = _data("dense")
+    piped.fit(**data, **FIT)
+    path = str(tmp_path / "piped.keras")
+    piped.save(path)
+    loaded = keras.models.load_model(path)
+    assert not any(isinstance(layer, kerasmulti.OnDevice) for layer in loaded.layers)
+    np.testing.assert_allclose(loaded.predict(data["x"], verbose=0), template.predict(data["x"], verbose=0), rtol=1e-6)
+
+
+class _Crash(keras.callbacks.Callback):
+    """Stops training with an error after `after` batches, once: a kill's stand-in in this process."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.seen = after, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.after:
+            raise RuntimeError("crash")
+
+
+def test_a_pipelined_run_stopped_mid_epoch_resumes_to_an_uninterrupted_runs_weights(tmp_path):
+    # The backup's file safety under SIGKILL is the callback's own (tests/callbacks).
+    data = _data("dense")
+
+    def run(backup, *callbacks):
+        template = _stacked(7, batchnorm=True)
+        piped = kerasmulti.pipeline(template, microbatches=4)
+        piped.compile(optimizer="adam", loss="mse")
+        piped.fit(**data, batch_size=10, epochs=3, verbose=0,
+                  callbacks=[kerasmulti.ParallelBackupAndRestore(str(backup), save_freq=1), *callbacks])
+        return template
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match="crash"):
+        run(tmp_path / "resumed", _Crash(after=5))  # in the second epoch, after its second batch
+    resumed = run(tmp_path / "resumed")
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+def _unplaced(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+
+
+def _one_stage():
+    inputs = keras.Input((6,))
+    with kerasmulti.device_scope("/cpu:1"):
+        outputs = keras.layers.Dense(2)(keras.layers.Dense(4)(inputs))
+    return keras.Model(inputs, outputs)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def _on_a_missing_device():
+    inputs = keras.Input((6,))
+    hidden = kerasmulti.OnDevice(keras.layers.Dense(4), "/device:CPU:0", _validated=True)(inputs)
+    return keras.Model(inputs, kerasmulti.OnDevice(keras.layers.Dense(2), "/device:CPU:9", _validated=True)(hidden))
+
+
+@pytest.mark.parametrize("make, arguments, error, message", [
+    (_stacked, dict(microbatches=0), ValueError, r"microbatches of at least 1\. Received: microbatches=0"),
+    (_stacked, dict(microbatches=2.5), TypeError, r"microbatches as an int, such as 4\. Received: microbatches=2\.5"),
+    (_stacked, dict(microbatches=True), TypeError, r"Received: microbatches=True"),
+    (lambda seed: keras.layers.Dense(2), dict(microbatches=2), TypeError, r"expects a keras\.Model.*Received: model=Dense"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2), ValueError, r"placed over 2\+ devices.*gpus= to cut it\. Received: stages=\[\]"),
+    (lambda seed: _one_stage(), dict(microbatches=2), ValueError, r"Received: stages=\['/device:CPU:1'\]"),
+    (_stacked, dict(microbatches=2, gpus=2), ValueError, r"cuts unplaced models only.*Drop gpus=\. Received: gpus=2"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=1), ValueError, r"at least 2\. Received: gpus=1"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=3), ValueError, r"cannot cut 2 layer\(s\) into 3 stages.*Received: gpus=3"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=9), kerasmulti.DeviceError, r"Received: gpus=9"),
+    (lambda seed: _Subclassed(), dict(microbatches=2, gpus=2), ValueError, r"functional and Sequential models only.*Received: model=_Subclassed"),
+    (lambda seed: _on_a_missing_device(), dict(microbatches=2), kerasmulti.DeviceError, r"CPU:9"),
+])
+def test_bad_pipelines_are_refused_saying_what_to_do(make, arguments, error, message):
+    with pytest.raises(error, match=message):
+        kerasmulti.pipeline(make(0), **arguments)
