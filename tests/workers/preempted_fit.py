@@ -1,6 +1,7 @@
 """A job that SIGTERM preempts in the middle of an epoch, for the step-exact resume tests.
 
     python preempted_fit.py FOLDER [--strike STEP [--signal KILL]] [--keras-backup] [--save-freq N] [--reseed]
+                            [--pipeline]
 
 Trains a model with Dropout data-parallel on 2 simulated devices for 3
 epochs of 6 batches, with fit's defaults (shuffle=True), and a
@@ -37,6 +38,7 @@ parser.add_argument("--signal", default="TERM")
 parser.add_argument("--keras-backup", action="store_true")
 parser.add_argument("--save-freq", default="epoch")
 parser.add_argument("--reseed", action="store_true")
+parser.add_argument("--pipeline", action="store_true")
 args = parser.parse_args()
 
 keras.utils.set_random_seed(0)
@@ -46,7 +48,8 @@ model = keras.Sequential(
 rng = np.random.default_rng(0)
 x = rng.normal(size=(48, 8)).astype("float32")
 y = rng.normal(size=(48, 2)).astype("float32")
-parallel = kerasmulti.parallelize(model, gpus=2)
+# --pipeline: the model cut into 2 stages, run on 4 micro-batches, instead of 2 replicas.
+parallel = kerasmulti.pipeline(model, gpus=2, microbatches=4) if args.pipeline else kerasmulti.parallelize(model, gpus=2)
 parallel.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
 if args.reseed:
     random.seed(os.getpid())
