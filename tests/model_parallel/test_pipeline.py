@@ -119,6 +119,17 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
+@pytest.mark.parametrize("stages, costs, runs", [
+    (3, [5, 1, 1, 1, 5], [(0, 1), (1, 4), (4, 5)]),  # the largest stage costs 5: no cut does better
+    (2, [1, 1], [(0, 1), (1, 2)]),
+    (2, [9, 1, 1, 1], [(0, 1), (1, 4)]),
+])
+def test_the_cut_makes_the_costliest_stage_as_cheap_as_possible(stages, costs, runs):
+    from kerasmulti._src.model_parallel.pipeline import _balanced
+
+    assert _balanced(stages, costs) == runs
+
+
 def test_a_pipelined_model_saves_a_file_plain_keras_loads(tmp_path):
     template = _stacked(6)
     piped = kerasmulti.pipeline(template, microbatches=3)

@@ -12,10 +12,10 @@ the losses layers add and BatchNormalization (the whole batch's statistics)
 are the whole batch's, as on one device, and the gradients are summed.
 
 An unplaced functional or Sequential model with `gpus=N` is cut into N stages
-first: its layers, in the order the graph runs them, are split where the
-running cost (parameters and an estimate of each layer's multiply-adds per
-row) crosses each N-th of the total, and the model is rebuilt with the same
-layer objects, each called on its stage's device (`rebuild.py`).
+first: its layers, in the order the graph runs them, are split into N runs
+whose largest cost (parameters and an estimate of each layer's multiply-adds
+per row) is the least possible, and the model is rebuilt with the same layer
+objects, each called on its stage's device (`rebuild.py`).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def stage_devices(model: keras.Model) -> list[str]:
 
 
 def cut(model: keras.Model, devices: list[str]) -> keras.Model:
-    """`model` rebuilt with its layers on `devices`, in graph order, in stages of similar cost."""
+    """`model` rebuilt with its layers on `devices`, in graph order, in stages of balanced cost."""
     if type(model) not in REBUILDABLE:
         raise ValueError(
             "pipeline() cuts functional and Sequential models only; place a subclassed one with "
@@ -182,19 +182,33 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
             f"pipeline() cannot cut {len(layers)} layer(s) into {len(devices)} stages. Pass fewer gpus=. "
             f"Received: gpus={len(devices)}"
         )
-    costs = [_cost(layer) for layer in layers]
-    stage_of, start = {}, 0
-    for stage in range(len(devices)):
-        # The stage ends where the running cost is nearest its share, leaving a layer for each stage after it.
-        last = len(layers) - (len(devices) - stage)
-        end = start
-        target = sum(costs) * (stage + 1) / len(devices)
-        while end < last and abs(sum(costs[: end + 2]) - target) <= abs(sum(costs[: end + 1]) - target):
-            end += 1
-        for layer in layers[start: end + 1]:
+    stage_of = {}
+    for stage, (start, end) in enumerate(_balanced(len(devices), [_cost(layer) for layer in layers])):
+        for layer in layers[start:end]:
             stage_of[id(layer)] = devices[stage]
-        start = end + 1
     return rebuilt(model, lambda layer, node: OnDevice(layer, stage_of[id(layer)], _validated=True))
+
+
+def _balanced(stages: int, costs: list) -> list[tuple[int, int]]:
+    """`stages` runs of `costs` covering it in order, none empty, whose largest sum is the least possible."""
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[k][i]: the least largest sum of k runs covering costs[:i]; cut[k][i]: where the last run starts.
+    best = [[math.inf] * (len(costs) + 1) for _ in range(stages + 1)]
+    cut = [[0] * (len(costs) + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, len(costs) + 1):
+            for j in range(k - 1, i):
+                largest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if largest < best[k][i]:
+                    best[k][i], cut[k][i] = largest, j
+    runs, end = [], len(costs)
+    for k in range(stages, 0, -1):
+        runs.append((cut[k][end], end))
+        end = cut[k][end]
+    return runs[::-1]
 
 
 def _in_graph_order(model: keras.Model) -> list:
