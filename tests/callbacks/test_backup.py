@@ -248,3 +248,28 @@ def test_a_backup_whose_seed_states_do_not_fit_the_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"does not fit the model being trained.*\(its seed states do not match the "
                        r"model's \(0 saved, 1 now\)\)\. Build the model as it was, or delete backup_dir to start over\. Received: backup_dir="):
         build(True).fit(x, y, epochs=3, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(str(tmp_path))])
+
+
+@pytest.mark.parametrize("save_freq, stop, calls_before, steps_seen", [
+    (1, dict(steps_int=2, epoch_int=None), 2 * 3, list(range(2, 15))),  # resumes at step 3 of 15
+    ("epoch", dict(steps_int=None, epoch_int=2), 6 * 3, list(range(6, 15))),  # resumes at epoch 3
+], ids=["step", "epoch"])
+@pytest.mark.skipif(keras_tests is None, reason="this Keras wheel ships no keras/src/callbacks/backup_and_restore_test.py")
+def test_keras_own_counter_tests_on_a_parallel_model(tmp_path, save_freq, stop, calls_before, steps_seen):
+    # Keras' test_best_case_step and test_best_case_epoch, on parallelize(model, gpus=3): its
+    # CanaryLayer counts calls, 3 a step (one per replica; the step is traced for any batch
+    # size, so the last batch's 2 rows leave one replica an empty part), none from the
+    # row-mixing probe; the counter is restored with the weights; callbacks see each step once.
+    template = keras.Sequential([keras.Input((3,)), keras_tests.CanaryLayer(), keras.layers.Dense(1)])
+    model = kerasmulti.parallelize(template, gpus=3)
+    model.compile(loss="mse", optimizer="sgd", metrics=["mse"])
+    backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path / "subdir"), save_freq=save_freq)
+    x, y = np.random.default_rng().random((10, 3)), np.random.default_rng().random((10, 1))
+    with pytest.raises(RuntimeError, match="Interruption"):
+        model.fit(x, y, batch_size=4, callbacks=[backup, keras_tests.InterruptingCallback(**stop)], epochs=6, verbose=0)
+    assert int(template.layers[0].counter.value) == calls_before
+    seen = []
+    steps = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: seen.append(int(model.optimizer.iterations.numpy())))
+    history = model.fit(x, y, batch_size=4, callbacks=[backup, steps], epochs=5, verbose=0)
+    assert history.epoch[-1] == 4 and seen == steps_seen
+    assert int(template.layers[0].counter.value) == 15 * 3  # every step of 5 epochs, once
