@@ -274,6 +274,7 @@ def test_with_max_restarts_a_worker_stopped_mid_epoch_restarts_the_job_which_end
     )
     assert f"kerasmulti launch: {stopped}" in result.stdout
     assert "Starting all 2 workers again (restart 1 of 1): they resume from their last backup." in result.stdout
+    assert result.stdout.splitlines()[-1] == "kerasmulti launch: all 2 workers finished, after 1 restart(s)."
     _assert_weights_equal(tmp_path, uninterrupted_workers)
     _assert_each_step_shown_once(tmp_path, restarted_at=step // 4 * 4 if signal_name == "KILL" else None)
 

@@ -86,6 +86,8 @@ def run_cluster(start: Callable, workers: int, out, max_restarts: int = 0, final
     with _stopped_with_this_process():  # also while workers start, and between restarts
         for restart in range(max_restarts + 1):
             processes, failed = _run_on_free_ports(start, workers, out)
+            if failed is None and restart:  # last, where a reader of the log looks for how it ended
+                out.write(f"kerasmulti launch: all {workers} workers finished, after {restart} restart(s).\n")
             if failed is None or restart == max_restarts or processes[failed].returncode in final:
                 return processes, failed
             _say_restart(out, processes, failed, workers, restart, max_restarts)
