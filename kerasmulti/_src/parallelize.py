@@ -18,6 +18,7 @@ from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import wrap as _wrap
 from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
+from kerasmulti._src.model_parallel.pipeline import PipelineModel
 from kerasmulti._src.multi_worker import worker_model as _worker_model
 from kerasmulti._src.utils.arguments import check_bool
 
@@ -95,7 +96,7 @@ def parallelize(
             `cpu_relocation` is not a bool.
         ValueError: If the model is not built, holds a stateful RNN, or the
             devices requested do not exist (a `DeviceError`, listing the
-            available devices).
+            available devices); for a model from `pipeline` (not built yet).
         RuntimeError: In a cluster, if joining it failed (a `ClusterError`
             saying why, e.g. TensorFlow ran before `import kerasmulti`).
 
@@ -112,6 +113,11 @@ def parallelize(
     parallel.save("model.keras")  # saves `model`, loadable without kerasmulti
     ```
     """
+    if isinstance(model, PipelineModel):
+        raise ValueError(
+            "parallelize() of a pipelined model is not built yet (docs/model-parallel.md). Pass one or the other. "
+            f"Received: model={model.name!r}"
+        )
     check_bool(cpu_merge, "parallelize()", "cpu_merge", "merge the replicas' outputs on the CPU")
     check_bool(cpu_relocation, "parallelize()", "cpu_relocation", "keep the variables in host memory")
     strategy = _cluster.strategy()

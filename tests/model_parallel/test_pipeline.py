@@ -119,6 +119,42 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
+def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compiled():
+    # One wrapper per layer (two would share a name, which Keras refuses); the model's
+    # compile, optimizer and its state come along, as with a model loaded from a file.
+    def build():
+        keras.utils.set_random_seed(8)
+        shared, inputs = keras.layers.Dense(6, activation="tanh", name="shared"), keras.Input((6,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(shared(keras.layers.Dense(6)(shared(inputs)))))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        return model
+
+    data = _data("dense")
+    reference, model = build(), build()
+    reference.fit(**data, **FIT)
+    model.fit(**data, **FIT)
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=3)
+    assert piped.compiled and piped.optimizer is model.optimizer and int(piped.optimizer.iterations.numpy()) == 6
+    assert len(kerasmulti.unwrap(piped).weights) == len(model.weights)
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
+
+
+def test_summary_goes_where_print_fn_sends_it():
+    lines = []
+    kerasmulti.pipeline(_stacked(0), microbatches=2).summary(print_fn=lambda line, **kwargs: lines.append(line))
+    assert lines[0].startswith("Pipelined over 2 stage(s): /device:CPU:1, /device:CPU:2; 2 micro-batches.")
+    assert len(lines) > 1  # the template's own summary followed
+
+
+def test_pipelines_and_parallel_models_do_not_nest_yet():
+    with pytest.raises(ValueError, match=r"pipeline\(\) of a parallel model is not built yet.*Received: model='parallel_"):
+        kerasmulti.pipeline(kerasmulti.parallelize(_stacked(0), gpus=2), microbatches=2)
+    with pytest.raises(ValueError, match=r"parallelize\(\) of a pipelined model is not built yet.*Received: model='pipeline_"):
+        kerasmulti.parallelize(kerasmulti.pipeline(_stacked(0), microbatches=2), gpus=2)
+    again = kerasmulti.pipeline(kerasmulti.pipeline(_stacked(0), microbatches=2), microbatches=3)
+    assert again.microbatches == 3 and not isinstance(kerasmulti.unwrap(again), kerasmulti.ParallelModel)
+
+
 @pytest.mark.parametrize("stages, costs, runs", [
     (3, [5, 1, 1, 1, 5], [(0, 1), (1, 4), (4, 5)]),  # the largest stage costs 5: no cut does better
     (2, [1, 1], [(0, 1), (1, 2)]),
@@ -188,13 +224,19 @@ def _one_stage():
     return keras.Model(inputs, outputs)
 
 
-class _Subclassed(keras.Model):
+class Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
         self.dense = keras.layers.Dense(2)
 
     def call(self, x):
         return self.dense(x)
+
+
+def _built_subclassed():
+    model = Subclassed()
+    model.build((None, 6))
+    return model
 
 
 def _on_a_missing_device():
@@ -214,8 +256,12 @@ def _on_a_missing_device():
     (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=1), ValueError, r"at least 2\. Received: gpus=1"),
     (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=3), ValueError, r"cannot cut 2 layer\(s\) into 3 stages.*Received: gpus=3"),
     (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=9), kerasmulti.DeviceError, r"Received: gpus=9"),
-    (lambda seed: _Subclassed(), dict(microbatches=2, gpus=2), ValueError, r"functional and Sequential models only.*Received: model=_Subclassed"),
+    (lambda seed: _built_subclassed(), dict(microbatches=2, gpus=2), ValueError, r"functional and Sequential models only.*Received: model=Subclassed"),
     (lambda seed: _on_a_missing_device(), dict(microbatches=2), kerasmulti.DeviceError, r"CPU:9"),
+    (lambda seed: keras.Sequential([keras.layers.Dense(2)]), dict(microbatches=2, gpus=2), ValueError,
+     r"pipeline\(\) needs a built model.*Received: model='sequential.*' with built=False"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=2.0), TypeError, r"gpus as an int, the number of stages\. Received: gpus=2\.0"),
+    (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=True), TypeError, r"Received: gpus=True"),
 ])
 def test_bad_pipelines_are_refused_saying_what_to_do(make, arguments, error, message):
     with pytest.raises(error, match=message):

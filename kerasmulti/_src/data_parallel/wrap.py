@@ -20,19 +20,19 @@ from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
 
 
-def _refuse_unsplittable(model) -> None:
+def _refuse_unsplittable(model, caller: str) -> None:
     for layer in keras_private.flatten_layers(model, include_self=False):
         if getattr(layer, "stateful", False):
             # Its state carries over row by row from one batch to the next,
             # and replicas see different rows.
             raise ValueError(
-                f"parallelize() cannot split the stateful layer '{layer.name}' "
+                f"{caller} cannot split the stateful layer '{layer.name}' "
                 f"({type(layer).__name__}). Use stateful=False or one device. Received: layer={layer.name!r} with stateful=True"
             )
         if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
             # Its correction terms are not synchronised across replicas.
             raise ValueError(
-                f"parallelize() does not support batch renormalisation (layer "
+                f"{caller} does not support batch renormalisation (layer "
                 f"'{layer.name}'). Use renorm=False or one device. "
                 f"Received: layer={layer.name!r} with renorm=True"
             )
@@ -81,29 +81,29 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     return parallel
 
 
-def check_model(model) -> None:
+def check_model(model, caller: str = "parallelize()") -> None:
     if isinstance(model, ParallelModel):
         model = model._template
     if not isinstance(model, keras.Model):
         raise TypeError(
-            "parallelize() expects a keras.Model. Wrap a layer in "
+            f"{caller} expects a keras.Model. Wrap a layer in "
             f"keras.Sequential first. Received: model={type(model).__name__}"
         )
     if not model.built and _custom_steps.overridden(model) and _custom_steps.parts_built(model):
         # A GAN holding a generator and a discriminator has no call, a
         # distiller is built at its first step: their parts have weights.
-        _refuse_unsplittable(model)
+        _refuse_unsplittable(model, caller)
         return
     if not model.built:
         raise ValueError(
-            "parallelize() needs a built model. Call model.build(input_shape) or call it on one batch. "
+            f"{caller} needs a built model. Call model.build(input_shape) or call it on one batch. "
             f"Received: model={model.name!r} with built=False"
         )
-    _build_layers(model)
-    _refuse_unsplittable(model)
+    _build_layers(model, caller)
+    _refuse_unsplittable(model, caller)
 
 
-def _build_layers(model) -> None:
+def _build_layers(model, caller: str) -> None:
     """Creates the weights of a model built with `build(shape)` but not yet called.
 
     Keras marks a subclassed model without a `build()` method built at once
@@ -119,6 +119,6 @@ def _build_layers(model) -> None:
         compute_output_spec(model, inputs, training=False)
     except Exception as error:
         raise ValueError(
-            f"parallelize() could not create the weights of '{model.name}' from "
+            f"{caller} could not create the weights of '{model.name}' from "
             f"its build shape: {error}. Call it on one batch of real data. Received: model={model.name!r} built with input_shape={shape}"
         ) from error

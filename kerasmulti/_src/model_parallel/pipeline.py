@@ -26,6 +26,7 @@ import keras
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
+from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
@@ -63,13 +64,13 @@ class PipelineModel(ParallelModel):
 
     @property
     def microbatches(self) -> int:
-        """How many micro-batches each batch is cut into (fewer when it has fewer rows)."""
+        """How many micro-batches each batch is cut into (a batch with fewer rows: one per row)."""
         return len(self._replica_devices)
 
-    def summary(self, *args, **kwargs):
+    def summary(self, *args, print_fn=None, **kwargs):
         """Prints the template's summary, preceded by the stages and micro-batches."""
-        print(f"Pipelined over {len(self._stages)} stage(s): {', '.join(self._stages)}; {self.microbatches} micro-batches.")
-        return self._template.summary(*args, **kwargs)
+        (print_fn or print)(f"Pipelined over {len(self._stages)} stage(s): {', '.join(self._stages)}; {self.microbatches} micro-batches.")
+        return self._template.summary(*args, print_fn=print_fn, **kwargs)
 
 
 def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> PipelineModel:
@@ -82,7 +83,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
     device with the whole batch: loss, metrics, gradients, sample and class
     weights, masks, the losses layers add, and BatchNormalization, whose
     statistics are the whole batch's (its layers then wait for every part,
-    which costs overlap). The returned model shares the template's weights:
+    which costs overlap). Random draws (Dropout) are each part's own, as
+    each replica's are with `parallelize`. A compiled model comes compiled. The returned model shares the template's weights:
     compile, fit, evaluate, predict and save it, with kerasmulti's callbacks,
     as a model from `parallelize`.
 
@@ -106,7 +108,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
     Raises:
         TypeError: If `model` is not a `keras.Model`, or `microbatches` or
             `gpus` not an int.
-        ValueError: If `microbatches` or `gpus` is out of range; if a placed
+        ValueError: If `microbatches` or `gpus` is out of range; if the
+            model is not built, or comes from `parallelize`; if a placed
             model has one stage and no `gpus`, or a placed model is given
             `gpus`; if a model to cut is not functional or Sequential, or
             has fewer layers than stages.
@@ -129,10 +132,12 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
     piped.fit(np.ones((64, 8)), np.ones((64, 1)), batch_size=16, verbose=0)
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"pipeline() expects a keras.Model placed over devices. Received: model={type(model).__name__}"
+    if isinstance(model, ParallelModel) and not isinstance(model, PipelineModel):
+        raise ValueError(
+            "pipeline() of a parallel model is not built yet (docs/model-parallel.md). Pass its template. "
+            f"Received: model={model.name!r}"
         )
+    check_model(model, "pipeline()")
     if not is_int(microbatches):
         raise TypeError(
             f"pipeline() takes microbatches as an int, such as 4. Received: microbatches={microbatches!r}"
@@ -153,11 +158,15 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
             raise ValueError(
                 f"pipeline() cuts unplaced models only; this one is placed. Drop gpus=. Received: gpus={gpus!r}"
             )
-        if not is_int(gpus) or gpus < 2:
+        if not is_int(gpus):
+            raise TypeError(f"pipeline() takes gpus as an int, the number of stages. Received: gpus={gpus!r}")
+        if gpus < 2:
             raise ValueError(f"pipeline() cuts a model into gpus= stages, at least 2. Received: gpus={gpus!r}")
         stages = resolve_devices(int(gpus), caller="pipeline()")
         template = cut(template, stages)
-    return PipelineModel(template, stages, int(microbatches))
+    piped = PipelineModel(template, stages, int(microbatches))
+    piped._adopt_template_compile()  # a compiled model (loaded from a file) comes compiled, its optimizer and all
+    return piped
 
 
 def stage_devices(model: keras.Model) -> list[str]:
@@ -182,11 +191,14 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
             f"pipeline() cannot cut {len(layers)} layer(s) into {len(devices)} stages. Pass fewer gpus=. "
             f"Received: gpus={len(devices)}"
         )
-    stage_of = {}
+    placed = {}  # one wrapper per layer: a layer called twice goes through it twice, as before
     for stage, (start, end) in enumerate(_balanced(len(devices), [_cost(layer) for layer in layers])):
         for layer in layers[start:end]:
-            stage_of[id(layer)] = devices[stage]
-    return rebuilt(model, lambda layer, node: OnDevice(layer, stage_of[id(layer)], _validated=True))
+            placed[id(layer)] = OnDevice(layer, devices[stage], _validated=True)
+    piped = rebuilt(model, lambda layer, node: placed[id(layer)])
+    if model.compiled:  # compiled as the model was, with its optimizer and its state
+        piped.compile(**dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
+    return piped
 
 
 def _balanced(stages: int, costs: list) -> list[tuple[int, int]]:
