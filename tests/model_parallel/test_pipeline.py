@@ -2,6 +2,7 @@
 
 from simulated import DEVICES
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -94,11 +95,16 @@ def test_a_pipeline_trains_and_evaluates_with_one_devices_numbers(case, microbat
     _assert_same(reference, template, reference.evaluate(**data, **evaluate), piped.evaluate(**data, **evaluate))
 
 
-def test_a_pipeline_predicts_the_templates_outputs():
+def test_a_pipeline_predicts_the_templates_outputs_also_through_parallel_predict(tmp_path):
     template = _stacked(4)
     x = _data("dense")["x"]
-    got = kerasmulti.pipeline(template, microbatches=4).predict(x, batch_size=10, verbose=0)
-    np.testing.assert_allclose(got, template.predict(x, batch_size=10, verbose=0), rtol=1e-6, atol=1e-6)
+    piped = kerasmulti.pipeline(template, microbatches=4)
+    expected = template.predict(x, batch_size=10, verbose=0)
+    np.testing.assert_allclose(piped.predict(x, batch_size=10, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(piped, x, batch_size=10, output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f[template.output_names[0]][()], expected, rtol=1e-6, atol=1e-6)
 
 
 def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_weights():
