@@ -96,6 +96,10 @@ class StepTiming:
         with self._lock:  # a replica may run twice a step (a counting pass)
             self._durations[replica] = self._durations.get(replica, 0.0) + duration
 
+    def started(self):
+        """This step's start time (`step_start`'s), for what must run after it."""
+        return self._step_started
+
     def step_start(self, batch):
         """The step's start time, once its batch has arrived; replicas start after it."""
         self._step_started = self._clock_after(batch)

@@ -187,7 +187,9 @@ class CompiledReplicas:
         (`loss_metrics.DeferredLossMetrics`), the replicas' busy times to
         `timing` (`balance.StepTiming`), if given.
         """
-        arguments = self._arguments(pieces, shards, shares, batch, loss_scale)
+        # Timed, the weights are read once the step has started, and each replica starts once they are read.
+        with tf.control_dependencies([timing.started()] if timing else []):
+            arguments = self._arguments(pieces, shards, shares, batch, loss_scale)
         key = (training, pieces[0][2] is None)
         self._deferred = deferred
         if key not in self._needs_counts:
@@ -228,8 +230,8 @@ class CompiledReplicas:
         for i, device in enumerate(devices):
             with tf.device(device), tf.name_scope(f"replica_{i}"), _replicas.as_replica(i):
                 args = arguments[i]
-                if timing:  # x, y and sample_weight wait for the start time
-                    args = (args[0], *timing.start(i, args[1:4]), *args[4:])
+                if timing:  # the weights read, x, y and sample_weight wait for the start time
+                    args = (*timing.start(i, args[:4]), *args[4:])
                 results.append(self._step(*args, totals, training, mode))
                 if timing:
                     timing.end(i, results[-1])

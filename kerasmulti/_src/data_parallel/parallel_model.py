@@ -296,7 +296,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
             total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)
             part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].sliced, total)
-            with tf.GradientTape() as tape:
+            # Timed, its weights are read after the step's start: the replica's time, not the loop's.
+            with tf.GradientTape() as tape, tf.control_dependencies([timing.started()] if timing else []):
                 y_pred = self._template(x_i, training=training)
                 _split.check_batch_axis(y_pred, x_i)
                 with part:
