@@ -279,6 +279,18 @@ def test_with_max_restarts_a_worker_stopped_mid_epoch_restarts_the_job_which_end
     _assert_each_step_shown_once(tmp_path, restarted_at=step // 4 * 4 if signal_name == "KILL" else None)
 
 
+def test_a_worker_killed_after_a_mid_epoch_backup_restarts_the_job_from_that_step(tmp_path, uninterrupted_workers):
+    # save_freq=3: the last backup before the kill (as step 10 begins) is after step 9, in
+    # epoch 3; the restarted job goes on from there and ends as the uninterrupted one.
+    result = _launch_workers(
+        "multi_worker_resume.py", str(tmp_path), *STRUCK_RUN, "--victim", "1", "--strike", "10", "--signal", "KILL",
+        "--save-freq", "3", launcher=("--max-restarts", "1"),
+    )
+    assert result.stdout.splitlines()[-1] == "kerasmulti launch: all 2 workers finished, after 1 restart(s)."
+    _assert_weights_equal(tmp_path, uninterrupted_workers)
+    _assert_each_step_shown_once(tmp_path, restarted_at=9)
+
+
 @pytest.mark.parametrize("victim", [0, 1], ids=["chief", "worker 1"])
 def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_the_rerun_ends_as_the_uninterrupted_one(
     tmp_path, uninterrupted_workers, victim

@@ -1,7 +1,7 @@
 """Checkpointed multi-worker training that a killed worker interrupts and a restart resumes.
 
 `multi_worker_resume.py OUT [--die-at-epoch K] [--reference] [--shuffle] [--dropout]
-[--strike STEP --victim I --signal TERM|KILL]`: trains for 4
+[--strike STEP --victim I --signal TERM|KILL] [--save-freq N]`: trains for 4
 epochs with ParallelBackupAndRestore (OUT/backup) and ParallelModelCheckpoint
 (OUT/model-<index>.keras: only the chief's may appear), with progress lines
 (only the chief's may appear). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
@@ -10,6 +10,7 @@ the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
 --shuffle passes fit's default shuffle=True (otherwise False); --dropout adds a
 Dropout layer. With --strike, worker I sends itself the signal as global step STEP
 (from 0) begins, once: OUT/struck marks that it did, so a resumed run goes on.
+--save-freq N backs up every N steps instead of every epoch.
 Each worker appends one line per batch its callbacks see begin to
 OUT/batches-<index>.txt: the epoch, the batch and the optimizer's iterations.
 """
@@ -34,6 +35,7 @@ shuffle = "--shuffle" in sys.argv
 strike = int(sys.argv[sys.argv.index("--strike") + 1]) if "--strike" in sys.argv else None
 victim = int(sys.argv[sys.argv.index("--victim") + 1]) if "--victim" in sys.argv else None
 strike_with = sys.argv[sys.argv.index("--signal") + 1] if "--signal" in sys.argv else "TERM"
+save_freq = int(sys.argv[sys.argv.index("--save-freq") + 1]) if "--save-freq" in sys.argv else "epoch"
 index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
 keras.utils.set_random_seed(0)
@@ -72,7 +74,7 @@ class Strike(keras.callbacks.Callback):
 callbacks = [Die(), Strike()]
 if not reference:
     callbacks = [
-        kerasmulti.ParallelBackupAndRestore(os.path.join(out, "backup")),
+        kerasmulti.ParallelBackupAndRestore(os.path.join(out, "backup"), save_freq=save_freq),
         kerasmulti.ParallelModelCheckpoint(os.path.join(out, f"model-{index}.keras")),
         *callbacks,
     ]
