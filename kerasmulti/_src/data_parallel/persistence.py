@@ -65,7 +65,9 @@ class TemplatePersistence:
         _built_once_parts_are(self._template)
         template = self._template
         with _unchanged_if_refused(template, filepath):
-            unbuilt = _optimizer_states(template, filepath)
+            strategy = getattr(self, "_strategy", None)  # a worker's model: its optimizer is the strategy's
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
+                unbuilt = _optimizer_states(template, filepath)
             with warnings.catch_warnings():
                 for optimizer in unbuilt:  # loaded as Keras builds it: its warning says otherwise
                     warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{optimizer.name}'")
