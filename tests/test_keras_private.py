@@ -237,6 +237,7 @@ def test_the_methods_kerasmulti_overrides_keep_their_signatures():
         "_resolve_auto_jit_compile": ["self"],
         "_maybe_symbolic_build": ["self", "iterator", "data_batch"],
         "_aggregate_additional_loss": ["self", "loss"],
+        "_get_metrics_result_or_logs": ["self", "logs"],
     }
     for cls, names in _keras_private.OVERRIDDEN.items():
         for name in names:

@@ -144,16 +144,16 @@ def tensorflow_version() -> tuple[int, int]:
 # run on threads of their own. TensorFlow has no public way to ask.
 from tensorflow.python.eager import record  # noqa: E402
 
-# Private methods of Keras classes that kerasmulti's subclasses override, by
-# the class that defines them. `Trainer._resolve_auto_jit_compile`: a
-# parallel model decides XLA per replica; `Model._aggregate_additional_loss`:
-# each replica adds its share of regularisers and `add_loss`;
-# `Trainer._maybe_symbolic_build`: under MultiWorkerMirroredStrategy Keras
-# reduces a per-replica batch and crashes (keras-team/keras#20585);
-# `ModelCheckpoint._save_model`, `BackupAndRestore._save_model`: the one place
-# each callback writes, made atomic and template-only.
+# Private methods of Keras classes that kerasmulti's subclasses override, by the class that
+# defines them. `Trainer._resolve_auto_jit_compile`: a parallel model decides XLA per replica;
+# `Model._aggregate_additional_loss`: each replica adds its share of regularisers and `add_loss`;
+# `Trainer._maybe_symbolic_build`: under MultiWorkerMirroredStrategy Keras reduces a per-replica
+# batch and crashes (keras-team/keras#20585), and it is handed `fit`'s epoch iterator;
+# `_get_metrics_result_or_logs`: the logs of a resumed epoch that ran no step;
+# `ModelCheckpoint._save_model`, `BackupAndRestore._save_model`: the one place each callback
+# writes, made atomic and template-only.
 OVERRIDDEN = {
-    keras.Model: ("_resolve_auto_jit_compile", "_maybe_symbolic_build", "_aggregate_additional_loss"),
+    keras.Model: ("_resolve_auto_jit_compile", "_maybe_symbolic_build", "_aggregate_additional_loss", "_get_metrics_result_or_logs"),
     keras.callbacks.ModelCheckpoint: ("_save_model",),
     keras.callbacks.BackupAndRestore: ("_save_model",),
 }

@@ -273,3 +273,71 @@ def test_keras_own_counter_tests_on_a_parallel_model(tmp_path, save_freq, stop, 
     history = model.fit(x, y, batch_size=4, callbacks=[backup, steps], epochs=5, verbose=0)
     assert history.epoch[-1] == 4 and seen == steps_seen
     assert int(template.layers[0].counter.value) == 15 * 3  # every step of 5 epochs, once
+
+
+class _StopAfterBatch(keras.callbacks.Callback):
+    """Ends training with an error after `batches` batches (after the backup, which comes first)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches, self.seen = batches, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.batches:
+            raise RuntimeError("stopped")
+
+
+def _two_fits(tmp_path, make, stop_after, save_freq=5, **fit):
+    """An uninterrupted fit's history and weights, and those of one stopped after `stop_after` batches and resumed."""
+    x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
+    fit = dict(x=x, y=y, batch_size=4, epochs=3, shuffle=False, verbose=0, **fit)
+    straight = make()
+    history = straight.fit(**fit).history
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="stopped"):
+        make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), _StopAfterBatch(stop_after)])
+    resumed = make()
+    resumed_history = resumed.fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq)]).history
+    return (history, straight), (resumed_history, resumed)
+
+
+def _plain(seed=3):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    return model
+
+
+def _parallel(seed=3):
+    return kerasmulti.parallelize(_plain(seed), gpus=2)
+
+
+def test_a_backup_of_an_epochs_last_batch_resumes_with_that_epochs_metrics_as_its_logs(tmp_path):
+    # The resumed epoch passes over all its batches and runs no step; its logs are the saved metrics.
+    (history, straight), (resumed_history, resumed) = _two_fits(tmp_path, _parallel, stop_after=10)
+    assert resumed_history["loss"] == pytest.approx(history["loss"], rel=1e-6)
+    assert resumed_history["mae"] == pytest.approx(history["mae"], rel=1e-6)
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
+def test_a_plain_keras_model_resumes_its_optimizers_state_from_a_parallel_backup(tmp_path):
+    # Keras' load_weights skips an optimizer it has not built; the backup builds it first.
+    (history, straight), (resumed_history, resumed) = _two_fits(tmp_path, _plain, stop_after=6)
+    assert int(resumed.optimizer.iterations.numpy()) == int(straight.optimizer.iterations.numpy()) == 30
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
+def test_a_backup_between_two_calls_of_a_new_steps_per_execution_is_refused(tmp_path):
+    x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="stopped"):
+        _parallel().fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3), _StopAfterBatch(4)])
+    model = _plain()
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    with pytest.raises(ValueError, match=r"resumes after step 3, which steps_per_execution=2 does not reach.*"
+                       r"Received: steps_per_execution=2"):
+        parallel.fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3)])

@@ -524,7 +524,7 @@ class _PressesCtrlC:
         sum(range(1000))  # bytecode to run Python's signal handler on, inside the finalizer
 
 
-@pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.parametrize("presses", [1, 2, "then the write fails"])
 def test_ctrl_c_during_a_write_is_held_until_the_write_ends_and_a_second_one_stops_it(tmp_path, presses):
     # Keras' save runs zipfile's finalizer; a Ctrl-C landing there used to be lost and training went on.
     from kerasmulti._src.utils import atomic as _atomic
@@ -539,6 +539,8 @@ def test_ctrl_c_during_a_write_is_held_until_the_write_ends_and_a_second_one_sto
         if presses == 2:
             os.kill(os.getpid(), signal.SIGINT)
             sum(range(1000))
+        if presses == "then the write fails":  # the user asked to stop: that wins over the failure
+            raise OSError(28, "No space left on device")
 
     # A suite run in the background ignores SIGINT; a user's Python raises KeyboardInterrupt.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -592,6 +592,7 @@ def test_a_gan_loaded_from_its_weights_checkpoint_goes_on_with_its_optimizers_st
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         parallel.load_weights(path)
+        parallel.load_weights(path)  # twice before the first step (a warm start, then a backup): the latest wins
     assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
     assert not loaded.d_optimizer.built  # Keras builds it at the first step: its state goes in then
     # Its step count is there already, for a callback before the first step (a schedule, a logger).
@@ -636,3 +637,23 @@ def test_a_whole_model_checkpoint_of_a_gan_without_get_config_is_refused_before_
                        r"save_weights_only=True\. Received: save_weights_only=False"):
         parallel.fit(**_data("pairs"), batch_size=BATCH, epochs=1, verbose=0, callbacks=[checkpoint])
     assert not gan.d_optimizer.built  # no step ran
+
+
+def test_a_gans_optimizer_of_another_class_keeps_its_own_state_as_keras_does(tmp_path):
+    # The file holds Adam's state for d_optimizer; the model's is RMSprop: Keras skips it, with its warning.
+    path = str(tmp_path / "gan.weights.h5")
+    fit = dict(**_data("pairs"), batch_size=BATCH, shuffle=False, verbose=0, epochs=1)
+    gan = _gan(GAN, 4)
+    parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+    _gan_compile(parallel)
+    parallel.fit(**fit)
+    parallel.save_weights(path)
+    gan = _gan(GAN, 4)
+    parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+    parallel.compile(keras.optimizers.RMSprop(0.5), keras.optimizers.SGD(0.05), keras.losses.BinaryCrossentropy(from_logits=True))
+    parallel.load_weights(path)
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer 'rm_sprop"):
+        parallel.fit(**fit)
+    assert float(gan.d_optimizer.learning_rate.numpy()) == 0.5
+    assert int(gan.d_optimizer.iterations.numpy()) == -(-ROWS // BATCH)  # its own steps, from zero
+

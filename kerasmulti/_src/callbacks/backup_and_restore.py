@@ -21,6 +21,7 @@ other's folder. What differs:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -95,7 +96,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         ValueError: If `backup_dir` is empty, remote, a file, or under a file
             or a folder this process cannot write; if `save_freq` is neither
             `"epoch"` nor a positive int; when training starts, if the backup
-            does not fit the model (a changed model).
+            does not fit the model (a changed model), or resumes at a step
+            that the model's `steps_per_execution` does not reach (changed
+            since the backup was written).
         OSError: When training starts, if the backup is damaged and there is
             no previous backup to fall back to, or that is damaged too.
 
@@ -240,13 +243,15 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             return None
         fields = _read_metadata(weights, metadata)
         try:
-            if weights.endswith(".weights.h5"):
-                self.model.load_weights(weights)
-            else:  # Keras reads the format from the suffix, which `.bkp` hides
-                with tempfile.TemporaryDirectory() as folder:
-                    copy = os.path.join(folder, "previous.weights.h5")
-                    shutil.copyfile(weights, copy)
-                    self.model.load_weights(copy)
+            with tempfile.TemporaryDirectory() as folder:
+                source = weights
+                if not weights.endswith(".weights.h5"):  # Keras reads the format from the suffix, which `.bkp` hides
+                    source = os.path.join(folder, "previous.weights.h5")
+                    shutil.copyfile(weights, source)
+                # A parallel model's load_weights fills its optimizers too; a plain model's (Keras') does not.
+                fills = isinstance(self.model, _persistence.TemplatePersistence)
+                with contextlib.nullcontext() if fills else _persistence.optimizers_loaded(self.model, source):
+                    self.model.load_weights(source)
             state = _training_state.read(weights)
         except OSError as error:
             raise _Damaged(weights, error) from error

@@ -107,8 +107,16 @@ def skip_steps(model, steps: int, first_batch) -> None:
         _skip_in_train_function(model, steps, first_batch)
         return
 
+    per_call = getattr(model, "steps_per_execution", 1) or 1
+    if steps % per_call:
+        raise ValueError(
+            f"The backup resumes after step {steps}, which steps_per_execution={per_call} does not reach. "
+            f"Resume with the steps_per_execution it was written with. Received: steps_per_execution={per_call}"
+        )
+
     def passing_over(enumerate_epoch=type(epochs)._enumerate_iterator):
         del epochs._enumerate_iterator  # the epochs after this one start at their first batch
+        model._passed_over = True  # until a step runs: an epoch wholly passed over logs the saved metrics
         for begin, end, batches in enumerate_epoch(epochs):
             for step in range(begin, min(end + 1, steps)):
                 try:
@@ -118,6 +126,7 @@ def skip_steps(model, steps: int, first_batch) -> None:
                 if step == 0:
                     first_batch(batch)
             if end >= steps:
+                model._passed_over = False
                 yield begin, end, batches
 
     epochs._enumerate_iterator = passing_over

@@ -64,21 +64,8 @@ class TemplatePersistence:
         check_readable_file(filepath, "weights", not_found=FileNotFoundError)
         _built_once_parts_are(self._template)
         template = self._template
-        with _unchanged_if_refused(template, filepath):
-            strategy = getattr(self, "_strategy", None)  # a worker's model: its optimizer is the strategy's
-            with strategy.scope() if strategy is not None else contextlib.nullcontext():
-                unbuilt = _optimizer_states(template, filepath)
-            with warnings.catch_warnings():
-                for optimizer in unbuilt:  # loaded as Keras builds it: its warning says otherwise
-                    warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{optimizer.name}'")
-                loaded = template.load_weights(filepath, *args, **kwargs)
-        for optimizer, saved in unbuilt.items():
-            # What it has before it is built (its step count, learning rate) is
-            # read now: a callback before the first step sees the saved step.
-            for i, variable in enumerate(optimizer.variables):
-                variable.assign(saved[str(i)])
-            _load_when_built(optimizer, saved)
-        return loaded
+        with _unchanged_if_refused(template, filepath), optimizers_loaded(template, filepath, getattr(self, "_strategy", None)):
+            return template.load_weights(filepath, *args, **kwargs)
 
     def get_config(self):
         return self._template.get_config()
@@ -90,6 +77,19 @@ class TemplatePersistence:
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def optimizers_loaded(template, filepath, strategy=None):
+    """Inside: loading `filepath` into `template` fills its optimizers too, also those Keras has not built."""
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():  # a worker's optimizer is the strategy's
+        unbuilt = _optimizer_states(template, filepath)
+    with warnings.catch_warnings():
+        for optimizer in unbuilt:  # loaded as Keras builds it: its warning says otherwise
+            warnings.filterwarnings("ignore", message=f"Skipping variable loading for optimizer '{optimizer.name}'")
+        yield
+    for optimizer, saved in unbuilt.items():
+        _load_when_built(optimizer, saved)
 
 
 def _optimizer_states(template, filepath) -> dict:
@@ -132,13 +132,29 @@ def _weights_file(path: str):
 
 
 def _load_when_built(optimizer, saved: dict) -> None:
+    # What it has before it is built (its step count, learning rate) is read
+    # now, so a callback before the first step sees the saved step; all of it
+    # as Keras builds it, or none if the saved optimizer was another (Keras warns).
+    before = [variable.numpy() for variable in optimizer.variables]
+    for i, variable in enumerate(optimizer.variables):
+        variable.assign(saved[str(i)])
+    if "build" in vars(optimizer):  # loaded again before its first step: the latest file wins
+        optimizer._kerasmulti_saved = (saved, optimizer._kerasmulti_saved[1])
+        return
     build = optimizer.build
+    optimizer._kerasmulti_saved = (saved, before)
 
     def build_then_load(variables):
         build(variables)
         del optimizer.build  # the class's own again
+        saved, before = optimizer.__dict__.pop("_kerasmulti_saved")
         with tf.init_scope():  # once, now: not an assignment in every step's graph
-            optimizer.load_own_variables(saved)
+            if len(saved) == len(optimizer.variables):
+                optimizer.load_own_variables(saved)
+            else:
+                for variable, value in zip(optimizer.variables, before):
+                    variable.assign(value)
+                optimizer.load_own_variables(saved)  # Keras' own warning, and nothing loaded
 
     optimizer.build = build_then_load
 

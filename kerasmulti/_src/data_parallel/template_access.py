@@ -107,6 +107,12 @@ class TemplateAccess:
         self._remember_epochs(iterator)
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
+    def _get_metrics_result_or_logs(self, logs):
+        # A resumed epoch whose batches were all trained already ran no step: its logs are the saved metrics.
+        if not logs and self.__dict__.pop("_passed_over", False):
+            return self.get_metrics_result()
+        return super()._get_metrics_result_or_logs(logs)
+
     def _remember_epochs(self, iterator) -> None:
         # The epoch iterator `fit` made: a resumed epoch passes over its trained batches there (`training_state`).
         self._fit_epochs = None if iterator is None else weakref.ref(iterator)

@@ -106,8 +106,8 @@ def _ctrl_c_held():
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
-        raise KeyboardInterrupt
+        if pressed:  # also when the write failed: the user asked to stop (the failure is its context)
+            raise KeyboardInterrupt
 
 
 _FIXES = {
