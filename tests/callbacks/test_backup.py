@@ -18,6 +18,7 @@ try:
     from keras.src.callbacks import backup_and_restore_test as keras_tests
 except ImportError:  # Keras' wheels ship their tests from 3.15 on
     keras_tests = None
+from cases import StopAfterBatches
 from test_callbacks import _setup
 
 import kerasmulti
@@ -275,19 +276,6 @@ def test_keras_own_counter_tests_on_a_parallel_model(tmp_path, save_freq, stop, 
     assert int(template.layers[0].counter.value) == 15 * 3  # every step of 5 epochs, once
 
 
-class _StopAfterBatch(keras.callbacks.Callback):
-    """Ends training with an error after `batches` batches (after the backup, which comes first)."""
-
-    def __init__(self, batches):
-        super().__init__()
-        self.batches, self.seen = batches, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.batches:
-            raise RuntimeError("stopped")
-
-
 def _two_fits(tmp_path, make, stop_after, save_freq=5, **fit):
     """An uninterrupted fit's history and weights, and those of one stopped after `stop_after` batches and resumed."""
     x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
@@ -296,7 +284,7 @@ def _two_fits(tmp_path, make, stop_after, save_freq=5, **fit):
     history = straight.fit(**fit).history
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="stopped"):
-        make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), _StopAfterBatch(stop_after)])
+        make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), StopAfterBatches(stop_after)])
     resumed = make()
     resumed_history = resumed.fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq)]).history
     return (history, straight), (resumed_history, resumed)
@@ -334,7 +322,7 @@ def test_a_backup_between_two_calls_of_a_new_steps_per_execution_is_refused(tmp_
     x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="stopped"):
-        _parallel().fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3), _StopAfterBatch(4)])
+        _parallel().fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3), StopAfterBatches(4)])
     model = _plain()
     model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
     parallel = kerasmulti.parallelize(model, gpus=2)

@@ -6,6 +6,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
+from cases import StopAfterBatches
 
 import kerasmulti
 
@@ -185,19 +186,6 @@ def test_a_pipelined_model_saves_a_file_plain_keras_loads(tmp_path):
     np.testing.assert_allclose(loaded.predict(data["x"], verbose=0), template.predict(data["x"], verbose=0), rtol=1e-6)
 
 
-class _Crash(keras.callbacks.Callback):
-    """Stops training with an error after `after` batches, once: a kill's stand-in in this process."""
-
-    def __init__(self, after):
-        super().__init__()
-        self.after, self.seen = after, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.after:
-            raise RuntimeError("crash")
-
-
 def test_a_pipelined_run_stopped_mid_epoch_resumes_to_an_uninterrupted_runs_weights(tmp_path):
     # The backup's file safety under SIGKILL is the callback's own (tests/callbacks).
     data = _data("dense")
@@ -211,8 +199,8 @@ def test_a_pipelined_run_stopped_mid_epoch_resumes_to_an_uninterrupted_runs_weig
         return template
 
     straight = run(tmp_path / "straight")
-    with pytest.raises(RuntimeError, match="crash"):
-        run(tmp_path / "resumed", _Crash(after=5))  # in the second epoch, after its second batch
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(tmp_path / "resumed", StopAfterBatches(5))  # in the second epoch, after its second batch
     resumed = run(tmp_path / "resumed")
     for a, b in zip(straight.weights, resumed.weights):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7, err_msg=a.path)
