@@ -135,28 +135,25 @@ def _load_when_built(optimizer, saved: dict) -> None:
     # What it has before it is built (its step count, learning rate) is read
     # now, so a callback before the first step sees the saved step; all of it
     # as Keras builds it, or none if the saved optimizer was another (Keras warns).
-    before = [variable.numpy() for variable in optimizer.variables]
+    pending = vars(optimizer).get("build")
+    if pending is not None:  # loaded again before its first step: the latest file wins
+        pending.saved = saved
+    else:
+        build, before = optimizer.build, [variable.numpy() for variable in optimizer.variables]
+
+        def build_then_load(variables):
+            build(variables)
+            del optimizer.build  # the class's own again
+            with tf.init_scope():  # once, now: not an assignment in every step's graph
+                if len(build_then_load.saved) != len(optimizer.variables):  # another optimizer's: Keras skips it
+                    for variable, value in zip(optimizer.variables, before):
+                        variable.assign(value)
+                optimizer.load_own_variables(build_then_load.saved)
+
+        build_then_load.saved = saved
+        optimizer.build = build_then_load
     for i, variable in enumerate(optimizer.variables):
         variable.assign(saved[str(i)])
-    if "build" in vars(optimizer):  # loaded again before its first step: the latest file wins
-        optimizer._kerasmulti_saved = (saved, optimizer._kerasmulti_saved[1])
-        return
-    build = optimizer.build
-    optimizer._kerasmulti_saved = (saved, before)
-
-    def build_then_load(variables):
-        build(variables)
-        del optimizer.build  # the class's own again
-        saved, before = optimizer.__dict__.pop("_kerasmulti_saved")
-        with tf.init_scope():  # once, now: not an assignment in every step's graph
-            if len(saved) == len(optimizer.variables):
-                optimizer.load_own_variables(saved)
-            else:
-                for variable, value in zip(optimizer.variables, before):
-                    variable.assign(value)
-                optimizer.load_own_variables(saved)  # Keras' own warning, and nothing loaded
-
-    optimizer.build = build_then_load
 
 
 def _built_once_parts_are(template) -> None:
