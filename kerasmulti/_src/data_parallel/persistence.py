@@ -94,19 +94,20 @@ def optimizers_loaded(template, filepath, strategy=None):
 
 def _optimizer_states(template, filepath) -> dict:
     """Builds the compiled optimizer if `filepath` holds its state; returns the model's own unbuilt ones' saved states."""
+    optimizer = getattr(template, "optimizer", None)
+    own = {name: o for name, o in vars(template).items() if isinstance(o, keras.optimizers.Optimizer) and o is not optimizer}
+    if (optimizer is None or optimizer.built) and all(o.built for o in own.values()):
+        return {}  # nothing Keras would skip: the file is read once, by Keras
     unbuilt = {}
     with _weights_file(str(filepath)) as f:
         if f is None:
             return unbuilt
-        optimizer = getattr(template, "optimizer", None)
         if optimizer is not None and not optimizer.built and len(f.get("optimizer/vars", ())) > len(optimizer.variables):
             optimizer.build(template.trainable_variables)
-        for name, own in vars(template).items():
-            if not isinstance(own, keras.optimizers.Optimizer) or own is optimizer or own.built:
-                continue
+        for name, candidate in own.items():
             saved = f.get(f"{name}/vars")  # where Keras writes a model's attribute
-            if saved is not None and len(saved) > len(own.variables):
-                unbuilt[own] = {key: saved[key][()] for key in saved}
+            if not candidate.built and saved is not None and len(saved) > len(candidate.variables):
+                unbuilt[candidate] = {key: saved[key][()] for key in saved}
     return unbuilt
 
 
