@@ -21,6 +21,7 @@ import tensorflow as tf
 from cases import assert_same_logs, assert_same_weights
 
 import kerasmulti
+from kerasmulti._src.utils import step_ops
 
 ROWS, BATCH, FEATURES = 26, 8, 5
 
@@ -304,23 +305,25 @@ def _simsiam(seed):
     return SimSiam(_mlp(4, "encoder"), keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)], name="predictor"))
 
 
-def _gan_compile(model):
-    model.compile(keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.05), keras.losses.BinaryCrossentropy(from_logits=True))
-
-
-def _distiller_compile(model):
+def _gan_compile(model, **options):
     model.compile(
-        keras.optimizers.SGD(0.1), ["sparse_categorical_accuracy"],
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.KLDivergence(),
+        keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.05), keras.losses.BinaryCrossentropy(from_logits=True), **options
     )
 
 
-def _standard_compile(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+def _distiller_compile(model, **options):
+    model.compile(
+        keras.optimizers.SGD(0.1), ["sparse_categorical_accuracy"],
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True), keras.losses.KLDivergence(), **options,
+    )
 
 
-def _sgd(model):
-    model.compile(optimizer=keras.optimizers.SGD(0.1))
+def _standard_compile(model, **options):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], **options)
+
+
+def _sgd(model, **options):
+    model.compile(optimizer=keras.optimizers.SGD(0.1), **options)
 
 
 # name: (build(seed), compile(model), data kind)
@@ -347,9 +350,10 @@ def _case_data(kind):
 
 
 # 8 rows split 3, 3, 2 (and the last batch, 2 rows, leaves a replica idle); 6 rows split evenly.
-@pytest.mark.parametrize("batch_size", [BATCH, 2 * DEVICES], ids=["uneven", "even"])
+# "xla": the model calls in each replica's step compiled (`compiled_calls.py`), against one uncompiled device.
+@pytest.mark.parametrize("batch_size, jit_compile", [(BATCH, "auto"), (2 * DEVICES, "auto"), (BATCH, True)], ids=["uneven", "even", "uneven-xla"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size):
+def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size, jit_compile):
     build, compile_, kind = CASES[case]
     data = _case_data(kind)
     fit = dict(batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
@@ -357,7 +361,8 @@ def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size):
     compile_(reference)
     expected = reference.fit(**data, **fit).history
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)
-    compile_(parallel)
+    compile_(parallel, jit_compile=jit_compile)
+    assert parallel.replica_jit_compile is (jit_compile is True)  # "auto": off on CPUs, as Keras
     assert_same_logs(expected, parallel.fit(**data, **fit).history)
     assert_same_weights(reference, template)
     if case.startswith("guide low level"):
@@ -497,14 +502,131 @@ def test_a_model_without_call_whose_parts_are_unbuilt_is_refused():
         kerasmulti.parallelize(gan, gpus=DEVICES)
 
 
-def test_asking_for_xla_on_a_custom_step_is_warned_about_and_runs_uncompiled():
+def _matmuls_outside_xla(parallel, x, y) -> float:
+    """Matrix products a training step runs outside XLA (TensorFlow's profiler counts them exactly)."""
+    step = parallel.train_function
+    batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    step(batches)
+    ran = step_ops.count(lambda: step(batches), steps=2)
+    return sum(n for name, n in ran.by_type.items() if "MatMul" in name)
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_a_gans_model_calls_run_in_xla_programs_with_jit_compile(jit_compile):
+    data = _data("pairs")
+    parallel = kerasmulti.parallelize(_gan(GAN, 4), gpus=DEVICES)
+    _gan_compile(parallel, jit_compile=jit_compile)  # GAN.compile takes no jit_compile: kept by the parallel model
+    parallel.fit(**data, batch_size=BATCH, epochs=1, verbose=0)
+    matmuls = _matmuls_outside_xla(parallel, data["x"][:BATCH], data["y"][:BATCH])
+    # Uncompiled, each replica's generator and discriminator run their products op by op.
+    assert matmuls == 0 if jit_compile else matmuls >= 2 * DEVICES
+
+
+def test_jit_compile_of_a_custom_step_must_be_true_false_or_auto():
     parallel = kerasmulti.parallelize(_functional(GuideCompiledLoss, 2), gpus=DEVICES)
-    with pytest.warns(UserWarning, match=r"runs its own steps, on uncompiled replicas.*Received: jit_compile=True") as record:
-        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
-    assert record[0].filename == __file__  # the warning points at the user's line
-    assert parallel.replica_jit_compile is False
-    history = parallel.fit(**_data("xy"), batch_size=BATCH, verbose=0).history
-    assert np.isfinite(history["loss"][0])
+    with pytest.raises(ValueError, match=r"jit_compile must be True, False or 'auto'.*Received: jit_compile='yes'"):
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile="yes")
+
+
+class NoXLA(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+
+    def call(self, x):
+        return x
+
+
+class Watched(keras.layers.Layer):
+    """Tracks the mean of its inputs in a metric it updates in `call`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = keras.metrics.Mean(name="seen")
+
+    def call(self, x):
+        self.seen.update_state(x)
+        return x
+
+
+class Counting(keras.layers.Layer):
+    """Counts its calls in a variable of another model (held untracked)."""
+
+    def __init__(self, counter, **kwargs):
+        super().__init__(**kwargs)
+        object.__setattr__(self, "_counter", counter)
+
+    def call(self, x):
+        self._counter.assign_add(1.0)
+        return x
+
+
+class BatchNormGAN(GAN):
+    """A GAN whose generator is called in training mode (its BatchNormalization normalises by the batch)."""
+
+    def train_step(self, data):
+        real, latent = data
+        with tf.GradientTape() as tape:
+            g_loss = keras.ops.mean(keras.ops.square(self.generator(latent, training=True) - real))
+        gradients = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(gradients, self.generator.trainable_weights))
+        self.g_loss_tracker.update_state(g_loss)
+        self.d_loss_tracker.update_state(keras.ops.mean(self.discriminator(real)))
+        return {m.name: m.result() for m in self.metrics}
+
+
+def _gan_with_generator_layer(make_layer, seed):
+    keras.utils.set_random_seed(seed)
+    discriminator = _mlp(1, "discriminator")
+    layer = make_layer(discriminator)
+    generator = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(FEATURES), layer], name="generator")
+    return BatchNormGAN(discriminator, generator)
+
+
+FALLBACKS = {
+    "BatchNormalization": (lambda _: keras.layers.BatchNormalization(), r"holds BatchNormalization 'batch_normalization.*'"),
+    "no XLA": (lambda _: NoXLA(name="no_xla"), r"holds layers that do not support XLA \(no_xla\)"),
+    "metric in call": (lambda _: Watched(), r"updates metric 'seen'"),
+    "another model's variable": (lambda other: Counting(other.layers[0].bias), r"assigns a variable that is not its own"),
+}
+
+
+def _fit_gan_with_generator_layer(make_layer, data, parallel_options=None):
+    """(history, template) of a BatchNormGAN fitted on one device, or parallel with `parallel_options`."""
+    template = _gan_with_generator_layer(make_layer, 5)
+    model = template if parallel_options is None else kerasmulti.parallelize(template, gpus=DEVICES)
+    _gan_compile(model, **(parallel_options or {}))
+    return model.fit(**data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history, template
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_a_model_call_that_cannot_be_one_replicas_program_runs_uncompiled_with_one_warning(case):
+    make_layer, reason = FALLBACKS[case]
+    data = _data("pairs")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got, template = _fit_gan_with_generator_layer(make_layer, data, dict(jit_compile=True))
+    messages = [str(w.message) for w in record if "runs uncompiled" in str(w.message)]
+    assert len(messages) == 1, messages  # once, for the generator; the discriminator stays compiled
+    assert re.search(rf"Model 'generator' runs uncompiled on each replica: it {reason}.*Received: model='generator'", messages[0])
+    # The generator runs as with jit_compile=False (BatchNormalization there: see the test below).
+    expected, uncompiled = _fit_gan_with_generator_layer(make_layer, data, dict(jit_compile=False))
+    assert_same_logs(expected, got)
+    assert_same_weights(uncompiled, template)
+    if case != "BatchNormalization":
+        expected, reference = _fit_gan_with_generator_layer(make_layer, data)
+        assert_same_logs(expected, got)
+        assert_same_weights(reference, template)
+
+
+@pytest.mark.xfail(strict=True, reason="known: a custom step's gradients through whole-batch BatchNormalization statistics differ")
+def test_a_custom_step_through_batchnormalization_in_training_trains_with_one_devices_numbers():
+    make_layer = FALLBACKS["BatchNormalization"][0]
+    data = _data("pairs")
+    expected, reference = _fit_gan_with_generator_layer(make_layer, data)
+    got, template = _fit_gan_with_generator_layer(make_layer, data, dict(jit_compile=False))
+    assert_same_logs(expected, got)
+    assert_same_weights(reference, template)
 
 
 def test_a_gan_without_call_is_checkpointed_without_marking_it_built(tmp_path):
@@ -535,7 +657,7 @@ def test_the_custom_steps_give_one_devices_numbers_on_4_devices_too():
         capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert result.returncode == 0, result.stdout[-3000:]
-    assert re.search(r"^20 passed", result.stdout, re.M), result.stdout[-1000:]
+    assert re.search(r"^29 passed, 1 xfailed", result.stdout, re.M), result.stdout[-1000:]
 
 
 def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):

@@ -61,16 +61,12 @@ def resolve(template, jit_compile, replicas: int) -> bool:
     XLA) but stays off where the exact path is asked for by a
     BatchNormalization layer with `synchronized=True`.
     """
+    check_jit_compile(jit_compile)
     if replicas < 2 or jit_compile is False:
         return False
     blockers = _blockers(template)
     if jit_compile == "auto":
         return not blockers and template._resolve_auto_jit_compile()
-    if jit_compile is not True:
-        raise ValueError(
-            "jit_compile must be True, False or 'auto'. Pass one of those. "
-            f"Received: jit_compile={jit_compile!r}"
-        )
     if blockers:
         raise ValueError(
             f"A parallel model cannot compile its replicas with XLA: {blockers}. "
@@ -78,6 +74,13 @@ def resolve(template, jit_compile, replicas: int) -> bool:
             "Received: jit_compile=True"
         )
     return True
+
+
+def check_jit_compile(jit_compile) -> None:
+    if jit_compile is not True and jit_compile is not False and jit_compile != "auto":
+        raise ValueError(
+            f"jit_compile must be True, False or 'auto'. Pass one of those. Received: jit_compile={jit_compile!r}"
+        )
 
 
 def _blockers(template) -> str:

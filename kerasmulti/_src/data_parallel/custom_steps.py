@@ -29,8 +29,8 @@ batch's rows (Keras' default reduction); a loss summed over rows counts each
 replica's part by its share. Random draws inside the step (a GAN's latent
 vectors, Dropout) are each replica's own, as with `tf.distribute`. Nested
 tapes (a gradient penalty) run inside each replica, so they need nothing.
-The replicas run uncompiled: XLA compiles one device's program, and the
-step's meeting points span the devices.
+The step's meeting points span the devices, so a replica's step is not one
+XLA program; with `jit_compile`, its model calls are (`compiled_calls.py`).
 
 The other design, running the step once and splitting each model call
 inside it, was not taken: TensorFlow places the backward pass of a tape's
@@ -51,6 +51,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 
@@ -107,6 +108,7 @@ def _scaled(gradient, share):
 
 def _optimizer_apply(optimizer, original):
     def apply(grads, trainable_variables=None):
+        _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
         if _through():
             return original(grads, trainable_variables)
         meeting = _replicas.rendezvous()
@@ -175,6 +177,7 @@ def _metric_update(metric, original):
     signature = inspect.signature(original)
 
     def update_state(*args, **kwargs):
+        _compiled_calls.refuse(f"updates metric '{metric.name}'")
         if _through():
             return original(*args, **kwargs)
         meeting = _replicas.rendezvous()
@@ -192,7 +195,8 @@ def _metric_update(metric, original):
 
 def _first_replica_assign(variable, original):
     def assign(value, *args, **kwargs):
-        if _through() or _replicas.replica_id() == 0 or _replicas.rendezvous() is None:
+        # Inside a compiled call every replica records it: assigned after the call, through here again.
+        if _through() or _compiled_calls.inside() or _replicas.replica_id() == 0 or _replicas.rendezvous() is None:
             return original(value, *args, **kwargs)
         return variable
 
@@ -237,8 +241,9 @@ def _patched(pairs):
             object.__delattr__(obj, name)
 
 
-def _replica_context(template):
-    pairs = [(o, "apply", _optimizer_apply(o, o.apply)) for o in _optimizers(template)]
+def _replica_context(template, compiled: bool):
+    pairs = _compiled_calls.calls(template) if compiled else []
+    pairs += [(o, "apply", _optimizer_apply(o, o.apply)) for o in _optimizers(template)]
     pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in _metrics(template)]
     for variable in _assigned_variables(template):
         pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
@@ -252,6 +257,7 @@ class CustomSteps:
     def __init__(self, parallel):
         self._parallel = parallel
         self.overridden = overridden(parallel._template)
+        self.compiles = False  # the model calls in each replica's step, with XLA (`compiled_calls`)
 
     def _shards_of(self, data):
         """The batch size of `data`, its shards and the replicas' pieces."""
@@ -274,7 +280,7 @@ class CustomSteps:
             return getattr(template, step)(pieces[i])
 
         _run.shares, _run.shards, _run.merge_device = shares, shards, parallel._merge_device
-        with _replica_context(template), parallel._synchronized(True):
+        with _replica_context(template, self.compiles), parallel._synchronized(True):
             logs = _replicas.run(parallel._devices_for(shards), replica, True, parallel.variables)
         with tf.device(parallel._merge_device):
             return _merged_logs(logs, shares)
@@ -285,7 +291,8 @@ class CustomSteps:
         _, shards, pieces = self._shards_of(data)
         if len(shards) == 1:
             return template.predict_step(data)
-        outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
+        with _patched(_compiled_calls.calls(template) if self.compiles else []):
+            outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
         with tf.device(parallel._merge_device):
             return _split.merge(outputs, shards)
 

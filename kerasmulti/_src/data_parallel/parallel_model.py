@@ -74,6 +74,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         self._batchnorm = _sync_batchnorm.batchnorm_layers(template)
         # The template's own steps, where it has some (`custom_steps.py`).
         self._custom = _custom_steps.CustomSteps(self) if self._runs_custom_steps() else None
+        self._compiled = None  # the replicas' XLA step (`compiled.py`), once compiled so
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
         self._fit_calls, self._input_order = 0, None  # `epoch_order`: shuffled arrays a backup resumes
         if hasattr(template, "output_names"):
@@ -92,9 +93,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         True forces it (CPU devices too), False keeps the uncompiled
         replicas, whose BatchNormalization statistics are the whole batch's.
 
-        A template with steps of its own (`custom_steps.py`) is compiled with
-        its own `compile` signature (a GAN's `compile(d_optimizer,
-        g_optimizer, loss_fn)`); its replicas run uncompiled.
+        A template with steps of its own (`custom_steps.py`) is compiled with its own `compile`
+        signature (a GAN's `compile(d_optimizer, g_optimizer, loss_fn)`); XLA compiles its model calls.
         """
         if self._custom is not None:
             return self._compile_custom(args, kwargs, jit_compile)
@@ -162,8 +162,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
 
     @property
     def replica_jit_compile(self) -> bool:
-        """Whether each replica's step is compiled with XLA (see `compile`)."""
-        return getattr(self, "_compiled", None) is not None
+        """Whether each replica's step (a custom step: its model calls) runs compiled with XLA (see `compile`)."""
+        return self._compiled is not None or (self._custom is not None and self._custom.compiles)
 
     @property
     def replica_devices(self) -> list[str]:
@@ -192,7 +192,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
     def _updated_weights(self) -> list:
         """The trainable weights as read after this step's update (its end, for timing; compiled: one waits for all)."""
         weights = self.trainable_weights or [self.optimizer.iterations]
-        return [tf.convert_to_tensor(v) for v in (weights[:1] if self.replica_jit_compile else weights)]
+        return [tf.convert_to_tensor(v) for v in (weights[:1] if self._compiled is not None else weights)]
 
     def call(self, inputs, training=None):
         batch = _split.batch_size(inputs)
@@ -204,7 +204,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
 
         pieces = self._slice(inputs, shards)
         shares = _split.shares(shards, batch)
-        if not training and self.replica_jit_compile:
+        if not training and self._compiled is not None:
             outputs = self._compiled.forward(self._devices_for(shards), pieces, shards, shares, batch)
             with tf.device(self._merge_device):
                 return _split.merge(outputs, shards)
@@ -312,7 +312,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         # (`loss_parts.py`), and BatchNormalization its statistics.
         with contextlib.ExitStack() as stack:
             deferred = stack.enter_context(_loss_metrics.deferred_loss_metrics(self))
-            if self.replica_jit_compile:
+            if self._compiled is not None:
                 scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
                 results = self._compiled.run(
                     self._devices_for(shards), pieces, shards, shares, batch, training, scale, deferred, timing
@@ -327,7 +327,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
                 # reduction="none" leaves a loss per row: those are merged like outputs.
                 loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
                 # None where the compiled step applied them (`compiled.py`).
-                gradients = None if self.replica_jit_compile else [_split.sum_gradients(list(g)) for g in zip(*[r[2] for r in results])]
+                gradients = None if self._compiled is not None else [_split.sum_gradients(list(g)) for g in zip(*[r[2] for r in results])]
         keras_private.loss_tracker(self).update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )

@@ -19,6 +19,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 
 
@@ -49,6 +50,7 @@ def _synchronized_call(layer, original):
         rendezvous = _replicas.rendezvous()
         if rendezvous is None or not (training and layer.trainable):
             return original(inputs, training=training, mask=mask)
+        _compiled_calls.refuse(f"holds BatchNormalization '{layer.name}' (whole-batch statistics)")
         x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
         axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
         valid = ops.cast(_replicas.valid(), x.dtype)

@@ -17,12 +17,13 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
 
 from __future__ import annotations
 
-import warnings
+import inspect
 import weakref
 
 import keras
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import compiled as _compiled
 
 
 class TemplateAccess:
@@ -35,24 +36,27 @@ class TemplateAccess:
 
     def _compile_custom(self, args, kwargs, jit_compile) -> None:
         """compile() for a template with steps of its own: the template's compile, then this model's."""
-        if jit_compile is True and len(self._replica_devices) > 1:
-            warnings.warn(
-                f"The template '{self._template.name}' runs its own steps, on uncompiled replicas. "
-                "Leave jit_compile at its default. Received: jit_compile=True",
-                stacklevel=3,
-            )
-        if jit_compile != "auto":
+        _compiled.check_jit_compile(jit_compile)
+        if jit_compile != "auto" and _takes(self._template.compile, "jit_compile"):
             kwargs = dict(kwargs, jit_compile=jit_compile)
         self._template.compile(*args, **kwargs)
-        self._compile_as_template()
+        self._compile_as_template(jit_compile)
 
-    def _compile_as_template(self) -> None:
-        """Compiles this model to run the compiled template's steps: its optimizer, no loss of its own."""
+    def _compile_as_template(self, jit_compile="auto") -> None:
+        """Compiles this model to run the compiled template's steps: its optimizer, no loss of its own.
+
+        The model calls in each replica's step are compiled with XLA
+        (`compiled_calls.py`) where `jit_compile` is True, or, at "auto",
+        where Keras compiled the template's step (with a GPU).
+        """
         self._compiled = None
+        run_eagerly = getattr(self._template, "run_eagerly", False)
+        if jit_compile == "auto":
+            jit_compile = getattr(self._template, "jit_compile", False) is True
+        self._custom.compiles = jit_compile and not run_eagerly and len(self._replica_devices) > 1
         keras.Model.compile(
             self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
-            run_eagerly=getattr(self._template, "run_eagerly", False),
-            steps_per_execution=getattr(self._template, "steps_per_execution", 1),
+            run_eagerly=run_eagerly, steps_per_execution=getattr(self._template, "steps_per_execution", 1),
         )
 
     def _adopt_template_compile(self) -> None:
@@ -129,3 +133,9 @@ class TemplateAccess:
 def _defined_by_user_class(cls, name: str) -> bool:
     """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
     return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
+
+
+def _takes(function, name: str) -> bool:
+    """Whether `function` accepts the keyword argument `name`."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -1,0 +1,132 @@
+"""A custom step's model calls, each compiled with XLA on its replica's device.
+
+A template's own `train_step` runs on every replica with meeting points in the
+middle (`optimizer.apply`, `metric.update_state`: `custom_steps.py`), so the
+step cannot be one XLA program per replica. Its model calls can, and they do
+the work: inside the replica context, a call of the template or of one of its
+sub-models (a GAN's generator and discriminator, a VAE's encoder and decoder)
+runs as one `tf.function(jit_compile=True)` on the replica's device. The
+call's variables are read outside the program and passed in (XLA cannot reach
+a variable on another device); the call runs in a `keras.StatelessScope`, and
+what it assigns (a Dropout's seed, BatchNormalization's moving statistics) is
+assigned after it, through the replica context's rules. TensorFlow
+differentiates a function call as a whole: the step's `tape.gradient` runs the
+call's backward pass as a second compiled program, and a nested tape (a
+gradient penalty) differentiates that one in turn.
+
+A call that reaches a meeting point (a metric updated inside `call`,
+BatchNormalization whose statistics are the whole batch's) cannot be one
+replica's program: the meeting point raises `NotCompilable` while the call is
+traced, and that model's calls run uncompiled, after one warning. So do
+models with layers that Keras marks as not supporting XLA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import tree
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
+
+_local = threading.local()  # per replica thread: inside the trace of a compiled call
+_warned: set = set()
+
+
+class NotCompilable(Exception):
+    """Raised while a call is traced for XLA when it reaches a point that spans the replicas."""
+
+
+def inside() -> bool:
+    """Whether this thread is tracing a compiled call (its inner calls then run as they are)."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def refuse(reason: str) -> None:
+    """Stops the trace of a compiled call that reached `reason` (a meeting point of the replicas)."""
+    if inside():
+        _stop(reason)
+
+
+def _stop(reason: str):
+    _local.reason = reason  # TensorFlow and Keras add their traces to the exception's message
+    raise NotCompilable(reason)
+
+
+@contextlib.contextmanager
+def _tracing():
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def units(template: keras.Model) -> list:
+    """The models a custom step calls: the template, if it has a `call`, and its sub-models."""
+    found = [template] if type(template).call is not keras.Model.call and template.built else []
+    return found + [layer for layer in template.layers if isinstance(layer, keras.Model) and layer.built]
+
+
+class CompiledCall:
+    """`unit.call` as an XLA program per replica device; set as the unit's `call` in a replica context."""
+
+    def __init__(self, unit: keras.Model):
+        self.unit = unit
+        self.original = type(unit).call.__get__(unit)
+        self.variables = list(unit.variables)
+        self.updated: list[int] = []
+        unsupported = [layer.name for layer in keras_private.flatten_layers(unit) if not layer.supports_jit]
+        self.failed = f"holds layers that do not support XLA ({', '.join(unsupported)})" if unsupported else None
+        self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True)
+
+    def __call__(self, *args, **kwargs):
+        if inside() or self.failed:
+            self._warn()
+            return self.original(*args, **kwargs)
+        values = [tf.convert_to_tensor(v) for v in self.variables]
+        try:
+            outputs, updates, losses, masks = self._program(values, args, kwargs)
+        except NotCompilable:
+            self.failed = _local.reason
+            self._warn()
+            return self.original(*args, **kwargs)
+        for i, value in zip(self.updated, updates):
+            self.variables[i].assign(value)
+        for loss in losses:
+            self.unit.add_loss(loss)
+        for output, mask in zip(tree.flatten(outputs), masks):
+            if mask is not None:
+                set_keras_mask(output, mask)
+        return outputs
+
+    def _stateless(self, values, args, kwargs):
+        with _tracing(), keras.StatelessScope(list(zip(self.variables, values)), collect_losses=True) as scope:
+            given = [scope.get_current_value(v) for v in self.variables]
+            outputs = self.original(*args, **kwargs)
+        if len(scope.state_mapping) > len({id(v) for v in self.variables}):
+            _stop("assigns a variable that is not its own")
+        self.updated = [i for i, v in enumerate(self.variables) if scope.get_current_value(v) is not given[i]]
+        updates = [scope.get_current_value(self.variables[i]) for i in self.updated]
+        return outputs, updates, list(scope.losses), [get_keras_mask(o) for o in tree.flatten(outputs)]
+
+    def _warn(self):
+        if self.failed is None or inside() or (id(self.unit), self.failed) in _warned:
+            return
+        _warned.add((id(self.unit), self.failed))
+        warnings.warn(
+            f"Model '{self.unit.name}' runs uncompiled on each replica: it {self.failed}. "
+            "Pass jit_compile=False to compile() to run all calls so. "
+            f"Received: model={self.unit.name!r}",
+            stacklevel=2,
+        )
+
+
+def calls(template: keras.Model) -> list:
+    """(unit, "call", compiled call) for every unit of `template`, to set in a replica context."""
+    return [(unit, "call", CompiledCall(unit)) for unit in units(template)]
