@@ -609,18 +609,14 @@ def test_a_model_call_that_cannot_be_one_replicas_program_runs_uncompiled_with_o
     messages = [str(w.message) for w in record if "runs uncompiled" in str(w.message)]
     assert len(messages) == 1, messages  # once, for the generator; the discriminator stays compiled
     assert re.search(rf"Model 'generator' runs uncompiled on each replica: it {reason}.*Received: model='generator'", messages[0])
-    # The generator runs as with jit_compile=False (BatchNormalization there: see the test below).
-    expected, uncompiled = _fit_gan_with_generator_layer(make_layer, data, dict(jit_compile=False))
+    expected, reference = _fit_gan_with_generator_layer(make_layer, data)
     assert_same_logs(expected, got)
-    assert_same_weights(uncompiled, template)
-    if case != "BatchNormalization":
-        expected, reference = _fit_gan_with_generator_layer(make_layer, data)
-        assert_same_logs(expected, got)
-        assert_same_weights(reference, template)
+    assert_same_weights(reference, template)
 
 
-@pytest.mark.xfail(strict=True, reason="known: a custom step's gradients through whole-batch BatchNormalization statistics differ")
 def test_a_custom_step_through_batchnormalization_in_training_trains_with_one_devices_numbers():
+    # The statistics' gradient sums every replica's upstream; each is weighed by its replica's share, as
+    # the step's merge weighs the gradients (unweighted, an idle replica's borrowed row counted: 1e-2 off).
     make_layer = FALLBACKS["BatchNormalization"][0]
     data = _data("pairs")
     expected, reference = _fit_gan_with_generator_layer(make_layer, data)
@@ -657,7 +653,7 @@ def test_the_custom_steps_give_one_devices_numbers_on_4_devices_too():
         capture_output=True, text=True, env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert result.returncode == 0, result.stdout[-3000:]
-    assert re.search(r"^29 passed, 1 xfailed", result.stdout, re.M), result.stdout[-1000:]
+    assert re.search(r"^30 passed", result.stdout, re.M), result.stdout[-1000:]
 
 
 def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):

@@ -23,7 +23,6 @@ models with layers that Keras marks as not supporting XLA.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 
@@ -33,8 +32,10 @@ from keras import tree
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
+from kerasmulti._src.utils.nesting import Nesting
 
-_local = threading.local()  # per replica thread: inside the trace of a compiled call
+_tracing = Nesting()  # per replica thread: inside the trace of a compiled call
+_local = threading.local()  # per replica thread: why the last trace stopped
 _warned: set = set()
 
 
@@ -44,7 +45,7 @@ class NotCompilable(Exception):
 
 def inside() -> bool:
     """Whether this thread is tracing a compiled call (its inner calls then run as they are)."""
-    return getattr(_local, "depth", 0) > 0
+    return _tracing.inside()
 
 
 def refuse(reason: str) -> None:
@@ -56,15 +57,6 @@ def refuse(reason: str) -> None:
 def _stop(reason: str):
     _local.reason = reason  # TensorFlow and Keras add their traces to the exception's message
     raise NotCompilable(reason)
-
-
-@contextlib.contextmanager
-def _tracing():
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
 
 
 def units(template: keras.Model) -> list:
@@ -106,7 +98,7 @@ class CompiledCall:
         return outputs
 
     def _stateless(self, values, args, kwargs):
-        with _tracing(), keras.StatelessScope(list(zip(self.variables, values)), collect_losses=True) as scope:
+        with _tracing, keras.StatelessScope(list(zip(self.variables, values)), collect_losses=True) as scope:
             given = [scope.get_current_value(v) for v in self.variables]
             outputs = self.original(*args, **kwargs)
         if len(scope.state_mapping) > len({id(v) for v in self.variables}):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 import warnings
 
 import keras
@@ -54,11 +53,12 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.utils.nesting import Nesting
 
 # The steps a template may override that this module runs for it.
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
 
-_local = threading.local()  # per replica thread: inside an update made for all replicas
+_updating_for_all = Nesting()  # per replica thread: inside an update made for all replicas (nested calls pass)
 
 
 class _Run:
@@ -83,20 +83,6 @@ def parts_built(template: keras.Model) -> bool:
     return bool(layers) and all(layer.built for layer in layers)
 
 
-def _through() -> bool:
-    """Whether this thread is inside an update made for all replicas (nested calls pass)."""
-    return getattr(_local, "through", 0) > 0
-
-
-@contextlib.contextmanager
-def _passing_through():
-    _local.through = getattr(_local, "through", 0) + 1
-    try:
-        yield
-    finally:
-        _local.through -= 1
-
-
 def _scaled(gradient, share):
     if gradient is None:
         return None
@@ -109,7 +95,7 @@ def _scaled(gradient, share):
 def _optimizer_apply(optimizer, original):
     def apply(grads, trainable_variables=None):
         _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
-        if _through():
+        if _updating_for_all.inside():
             return original(grads, trainable_variables)
         meeting = _replicas.rendezvous()
         share = _run.shares[_replicas.replica_id()]
@@ -117,7 +103,7 @@ def _optimizer_apply(optimizer, original):
         gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
         if _replicas.replica_id() == 0:
             summed = [_split.sum_gradients([replica[k] for replica in gathered]) for k in range(len(grads))]
-            with _passing_through():
+            with _updating_for_all:
                 original(summed, trainable_variables)
         # The others go on only once the update is in the step, so they read the new weights.
         meeting.all_gather(None, f"after {optimizer.name}.apply")
@@ -178,14 +164,14 @@ def _metric_update(metric, original):
 
     def update_state(*args, **kwargs):
         _compiled_calls.refuse(f"updates metric '{metric.name}'")
-        if _through():
+        if _updating_for_all.inside():
             return original(*args, **kwargs)
         meeting = _replicas.rendezvous()
         gathered = meeting.all_gather((args, kwargs), f"{metric.name}.update_state")
         if _replicas.replica_id() == 0:
             with tf.device(_run.merge_device):
                 merged = _merged_arguments(signature, gathered, _run.shares, _run.shards)
-                with _passing_through():
+                with _updating_for_all:
                     original(*merged.args, **merged.kwargs)
         # Results read after this point see the update, on every replica.
         meeting.all_gather(None, f"after {metric.name}.update_state")
@@ -196,7 +182,7 @@ def _metric_update(metric, original):
 def _first_replica_assign(variable, original):
     def assign(value, *args, **kwargs):
         # Inside a compiled call every replica records it: assigned after the call, through here again.
-        if _through() or _compiled_calls.inside() or _replicas.replica_id() == 0 or _replicas.rendezvous() is None:
+        if _updating_for_all.inside() or _compiled_calls.inside() or _replicas.replica_id() == 0 or _replicas.rendezvous() is None:
             return original(value, *args, **kwargs)
         return variable
 
@@ -277,6 +263,7 @@ class CustomSteps:
 
         def replica(i):
             _replicas.set_valid(shards[i].counted)
+            _replicas.set_gradient_share(shares[i])  # `_optimizer_apply` scales its gradients so
             return getattr(template, step)(pieces[i])
 
         _run.shares, _run.shards, _run.merge_device = shares, shards, parallel._merge_device

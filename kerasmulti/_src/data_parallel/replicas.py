@@ -102,7 +102,7 @@ def _run_one(i: int, device: str, fn: Callable, sync):
             sync.all_gather(None, "the end of its step")
         return result
     finally:
-        _local.replica, _local.sync = 0, None
+        _local.replica, _local.sync, _local.gradient_share = 0, None, 1.0
 
 
 class _KernelsReadOnTheReplica:
@@ -243,3 +243,13 @@ def valid():
 def set_valid(size) -> None:
     """Records whether this replica's rows count (1) or are borrowed (0)."""
     _local.valid = tf.cast(size > 0, tf.float32) if not isinstance(size, int) else float(size > 0)
+
+
+def gradient_share():
+    """What this replica's gradients are multiplied by before they are summed: 1, or (a custom step) its share."""
+    return getattr(_local, "gradient_share", 1.0)
+
+
+def set_gradient_share(share) -> None:
+    """Records that this replica's gradients will be multiplied by `share` (a custom step's merge)."""
+    _local.gradient_share = share

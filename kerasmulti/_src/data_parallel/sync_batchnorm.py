@@ -110,7 +110,14 @@ def _all_reduce_sum(rendezvous, value):
     @tf.custom_gradient
     def reduce(local):
         def grad(upstream):
-            return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
+            share = _replicas.gradient_share()
+            if isinstance(share, float) and share == 1.0:
+                return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
+            # A custom step multiplies each replica's gradients by its share before it sums them:
+            # each upstream is weighed by its own replica's share, and divided by this one's.
+            share = tf.cast(share, upstream.dtype)
+            summed = tf.add_n(rendezvous.all_gather(upstream * share, "a BatchNormalization gradient"))
+            return tf.math.divide_no_nan(summed, share)
 
         return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
 
