@@ -11,8 +11,10 @@ same seed, in one process:
   different micro-batches at once. The ideal idle share is 1/(M+1) with two
   stages, so predict can reach 2M/(M+1) times naive placement.
 
-Both compile with `jit_compile=False` (a placed model runs without XLA).
-Their predictions must agree before anything is timed.
+Both compile with `jit_compile=False`; one more variant (M in
+`--xla-microbatches`, default 2) compiles each placed layer's call as an XLA
+program on its stage's device (`jit_compile=True`). Their predictions must
+agree before anything is timed.
 
 First the machine is checked: two independent chains of matmuls, one per
 device, must run at least 1.8 times as fast as one chain (two cores free).
@@ -39,10 +41,12 @@ from _common import (
     TrainPredictVariant,
     check,
     configure_devices,
+    fmt,
     make_parser,
     median,
     print_environment,
     print_train_predict_table,
+    ratio,
     record_failure,
     run_once,
     run_reporting,
@@ -102,18 +106,18 @@ def free_cores(devices: list[str], width: int) -> float:
     return 2 * best(one) / best(two)
 
 
-def make_variants(devices: list[str], microbatches: list[int], layers: int, width: int) -> list[TrainPredictVariant]:
+def make_variants(devices: list[str], microbatches: list[int], layers: int, width: int, xla: list[int]) -> list[TrainPredictVariant]:
     variants = [TrainPredictVariant("naive placement")]
     try:
         variants[0].model = build_model(devices, layers, width)
         variants[0].model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
     except Exception as error:  # reported in the table, never raised
         record_failure(variants[0], error)
-    for m in microbatches:
-        variant = TrainPredictVariant(f"pipeline, M={m}")
+    for m, jit_compile in [(m, False) for m in microbatches] + [(m, True) for m in xla]:
+        variant = TrainPredictVariant(f"pipeline, M={m}" + (", XLA stages" if jit_compile else ""))
         try:
             variant.model = kerasmulti.pipeline(build_model(devices, layers, width), microbatches=m)
-            variant.model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
+            variant.model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=jit_compile)
         except Exception as error:  # reported in the table, never raised
             record_failure(variant, error)
         variants.append(variant)
@@ -129,7 +133,12 @@ def check_predictions(variants, x) -> None:
 
 def print_checks(variants, cores: float) -> None:
     naive = (median(variants[0].train), median(variants[0].predict))
-    by_m = {int(v.name.split("=")[1]): v for v in variants[1:]}
+    by_m = {int(v.name.split("=")[1]): v for v in variants[1:] if not v.name.endswith("XLA stages")}
+    for v in variants[1:]:
+        if v.name.endswith("XLA stages") and int(v.name.split("=")[1].split(",")[0]) in by_m:
+            plain = by_m[int(v.name.split("=")[1].split(",")[0])]
+            print(f"{v.name} against the same M uncompiled: training {fmt(ratio(median(v.train), median(plain.train)), '.2f')}x, "
+                  f"predict {fmt(ratio(median(v.predict), median(plain.predict)), '.2f')}x")
     best_train = max((median(v.train) or 0 for m, v in by_m.items() if m > 1), default=None)
     best_predict = max((median(v.predict) or 0 for m, v in by_m.items() if m > 1), default=None)
     print(f"\nTwo independent chains ran {cores:.2f}x one chain (two free cores: >= 1.8).")
@@ -147,6 +156,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
     parser = make_parser(__doc__, repeats=5, samples=4096,
                          samples_help="samples per epoch (default 4096)", batch_help="batch size (default 256)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--xla-microbatches", type=int, nargs="*", default=[2],
+                        help="M of the variants with XLA stages (jit_compile=True; default 2; none: no such variant)")
     parser.add_argument("--layers", type=int, default=4, help="Dense layers per stage (default 4)")
     parser.add_argument("--width", type=int, default=512, help="units per Dense layer (default 512)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run, 1 repeat")
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
     print(f"Model: 2 stages of {args.layers} Dense({args.width}) each, on {', '.join(devices)}; "
           f"data: {sizes.samples} samples, batch {sizes.batch_size}, {sizes.repeats} repeat(s)")
     cores = free_cores(devices, args.width)
-    variants = make_variants(devices, args.microbatches, args.layers, args.width)
+    variants = make_variants(devices, args.microbatches, args.layers, args.width, args.xla_microbatches)
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((sizes.samples, args.width), dtype=np.float32)
     y = rng.integers(0, 10, size=(sizes.samples,), dtype=np.int32)

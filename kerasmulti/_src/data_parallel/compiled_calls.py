@@ -18,11 +18,13 @@ A call that reaches a meeting point (a metric updated inside `call`,
 BatchNormalization whose statistics are the whole batch's) cannot be one
 replica's program: the meeting point raises `NotCompilable` while the call is
 traced, and that model's calls run uncompiled, after one warning. So do
-models with layers that Keras marks as not supporting XLA.
+models with layers that Keras marks as not supporting XLA, and recurrent
+layers: a loop's forward program would hand TensorLists to its gradient's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 
@@ -73,8 +75,7 @@ class CompiledCall:
         self.original = type(unit).call.__get__(unit)
         self.variables = list(unit.variables)
         self.updated: list[int] = []
-        unsupported = [layer.name for layer in keras_private.flatten_layers(unit) if not layer.supports_jit]
-        self.failed = f"holds layers that do not support XLA ({', '.join(unsupported)})" if unsupported else None
+        self.failed = _not_compilable(unit)
         self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True)
 
     def __call__(self, *args, **kwargs):
@@ -111,10 +112,10 @@ class CompiledCall:
         if self.failed is None or inside() or (id(self.unit), self.failed) in _warned:
             return
         _warned.add((id(self.unit), self.failed))
+        kind = "model" if isinstance(self.unit, keras.Model) else "layer"
         warnings.warn(
-            f"Model '{self.unit.name}' runs uncompiled on each replica: it {self.failed}. "
-            "Pass jit_compile=False to compile() to run all calls so. "
-            f"Received: model={self.unit.name!r}",
+            f"{kind.capitalize()} '{self.unit.name}' runs uncompiled: it {self.failed}. "
+            f"Pass jit_compile=False to compile() to silence this. Received: {kind}={self.unit.name!r}",
             stacklevel=2,
         )
 
@@ -122,3 +123,29 @@ class CompiledCall:
 def calls(template: keras.Model) -> list:
     """(unit, "call", compiled call) for every unit of `template`, to set in a replica context."""
     return [(unit, "call", CompiledCall(unit)) for unit in units(template)]
+
+
+def _not_compilable(unit) -> str | None:
+    """Why `unit`'s calls cannot be XLA programs, known before they are traced; None if they can."""
+    layers = keras_private.flatten_layers(unit)
+    unsupported = [layer.name for layer in layers if not layer.supports_jit]
+    if unsupported:
+        return f"holds layers that do not support XLA ({', '.join(unsupported)})"
+    # A loop's forward program hands its per-step values (TensorLists) to the gradient program,
+    # which TensorFlow does not do across XLA's boundary ("UNIMPLEMENTED" when the step runs).
+    recurrent = [layer.name for layer in layers if isinstance(layer, keras.layers.RNN)]
+    if recurrent:
+        return f"holds recurrent layers ({', '.join(recurrent)}), whose loops XLA cannot hand to a gradient"
+    return None
+
+
+@contextlib.contextmanager
+def compiled(layers: list):
+    """Inside: each of `layers` runs its calls as XLA programs (`CompiledCall`)."""
+    for layer in layers:
+        object.__setattr__(layer, "call", CompiledCall(layer))
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "call")

@@ -20,11 +20,15 @@ objects, each called on its stage's device (`rebuild.py`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
+import tensorflow as tf
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import compiled as _compiled
+from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
@@ -56,6 +60,54 @@ class PipelineModel(ParallelModel):
         super().__init__(template, [stages[0]] * microbatches, "/cpu:0")
         self.name = f"pipeline_{template.name}"
         self._stages = list(stages)
+        self._stage_xla = False  # the placed layers' calls as XLA programs (`compile`)
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        """Configures training as `keras.Model.compile`.
+
+        `jit_compile` runs each placed layer's call, and its gradient, as an
+        XLA program on its stage's device: True forces it, "auto" turns it on
+        where every stage is a GPU (as Keras turns XLA on with a GPU), False
+        keeps the stages uncompiled. BatchNormalization layers run uncompiled
+        (their statistics are the whole batch's), and so does a placed
+        sub-model that holds one, after a warning.
+        """
+        if self._custom is not None:
+            return super().compile(*args, jit_compile=jit_compile, **kwargs)
+        _compiled.check_jit_compile(jit_compile)
+        if jit_compile == "auto":
+            jit_compile = all(tf.DeviceSpec.from_string(stage).device_type == "GPU" for stage in self._stages)
+        self._stage_xla = jit_compile and not kwargs.get("run_eagerly", False)
+        return super().compile(*args, jit_compile=False, **kwargs)
+
+    @property
+    def replica_jit_compile(self) -> bool:
+        """Whether the placed layers' calls run as XLA programs on their stages' devices (see `compile`)."""
+        return self._stage_xla
+
+    def train_step(self, data):
+        with self._compiled_stages():
+            return super().train_step(data)
+
+    def test_step(self, data):
+        with self._compiled_stages():
+            return super().test_step(data)
+
+    def predict_step(self, data):
+        with self._compiled_stages():
+            return super().predict_step(data)
+
+    def _compiled_stages(self):
+        """While a step is traced: the placed layers' calls compiled, where `compile` asked for it."""
+        if not self._stage_xla:
+            return contextlib.nullcontext()
+        placed = []
+        for wrapper in keras_private.flatten_layers(self._template, include_self=False):
+            layer = getattr(wrapper, "layer", None)
+            if isinstance(wrapper, OnDevice) and not isinstance(layer, keras.layers.BatchNormalization):
+                if all(layer is not other for other in placed):  # a layer called twice: once
+                    placed.append(layer)
+        return _compiled_calls.compiled(placed)
 
     @property
     def stages(self) -> list[str]:
