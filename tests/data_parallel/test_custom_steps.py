@@ -522,6 +522,39 @@ def test_a_gans_model_calls_run_in_xla_programs_with_jit_compile(jit_compile):
     assert matmuls == 0 if jit_compile else matmuls >= 2 * DEVICES
 
 
+def _deep_gan(depth):
+    keras.utils.set_random_seed(1)
+
+    def mlp(outputs, name):
+        hidden = [keras.layers.Dense(6, activation="tanh") for _ in range(depth)]
+        return keras.Sequential([keras.Input((FEATURES,)), *hidden, keras.layers.Dense(outputs)], name=name)
+
+    return GAN(mlp(1, "discriminator"), mlp(FEATURES, "generator"))
+
+
+def _operations_outside_xla(gan, jit_compile) -> float:
+    data = _data("pairs")
+    parallel = kerasmulti.parallelize(gan, gpus=DEVICES)
+    _gan_compile(parallel, jit_compile=jit_compile)
+    x, y = data["x"][:BATCH], data["y"][:BATCH]
+    parallel.fit(x, y, batch_size=BATCH, verbose=0)
+    step = parallel.train_function
+    batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    step(batches)
+    return step_ops.count(lambda: step(batches), steps=2).outside_xla
+
+
+def test_a_compiled_gan_steps_operations_outside_xla_do_not_grow_with_the_model():
+    # Packed reads for each model call and a packed update per optimizer (`packed_apply`); uncompiled,
+    # every variable costs reads, sends, sums and updates each step (the control).
+    small, large = _deep_gan(1), _deep_gan(6)
+    assert len(large.trainable_variables) == len(small.trainable_variables) + 20
+    compiled = [_operations_outside_xla(gan, True) for gan in (_deep_gan(1), _deep_gan(6))]
+    assert abs(compiled[1] - compiled[0]) <= 10, compiled
+    uncompiled = [_operations_outside_xla(gan, False) for gan in (small, large)]
+    assert uncompiled[1] > uncompiled[0] + 20 * DEVICES, uncompiled
+
+
 def test_jit_compile_of_a_custom_step_must_be_true_false_or_auto():
     parallel = kerasmulti.parallelize(_functional(GuideCompiledLoss, 2), gpus=DEVICES)
     with pytest.raises(ValueError, match=r"jit_compile must be True, False or 'auto'.*Received: jit_compile='yes'"):

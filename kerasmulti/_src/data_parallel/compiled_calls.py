@@ -6,8 +6,10 @@ step cannot be one XLA program per replica. Its model calls can, and they do
 the work: inside the replica context, a call of the template or of one of its
 sub-models (a GAN's generator and discriminator, a VAE's encoder and decoder)
 runs as one `tf.function(jit_compile=True)` on the replica's device. The
-call's variables are read outside the program and passed in (XLA cannot reach
-a variable on another device); the call runs in a `keras.StatelessScope`, and
+call's variables are read by one program on their own device, packed into one
+buffer per dtype (`packing.DeviceReads`: XLA cannot reach a variable on another
+device), and taken apart inside the call's program, so a call runs a few
+operations outside XLA whatever its size; it runs in a `keras.StatelessScope`, and
 what it assigns (a Dropout's seed, BatchNormalization's moving statistics) is
 assigned after it, through the replica context's rules. TensorFlow
 differentiates a function call as a whole: the step's `tape.gradient` runs the
@@ -33,6 +35,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import packing as _packing
 from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 from kerasmulti._src.utils.nesting import Nesting
 
@@ -74,6 +77,7 @@ class CompiledCall:
         self.unit = unit
         self.original = type(unit).call.__get__(unit)
         self.variables = list(unit.variables)
+        self.reads = _packing.DeviceReads(self.variables)  # one program per device reads them all
         self.updated: list[int] = []
         self.failed = _not_compilable(unit)
         self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True)
@@ -82,9 +86,8 @@ class CompiledCall:
         if inside() or self.failed:
             self._warn()
             return self.original(*args, **kwargs)
-        values = [tf.convert_to_tensor(v) for v in self.variables]
         try:
-            outputs, updates, losses, masks = self._program(values, args, kwargs)
+            outputs, updates, losses, masks = self._program(self.reads.read(), args, kwargs)
         except NotCompilable:
             self.failed = _local.reason
             self._warn()
@@ -98,7 +101,8 @@ class CompiledCall:
                 set_keras_mask(output, mask)
         return outputs
 
-    def _stateless(self, values, args, kwargs):
+    def _stateless(self, read, args, kwargs):
+        values = self.reads.unpack(read)
         with _tracing, keras.StatelessScope(list(zip(self.variables, values)), collect_losses=True) as scope:
             given = [scope.get_current_value(v) for v in self.variables]
             outputs = self.original(*args, **kwargs)

@@ -53,6 +53,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel.packed_apply import PackedApply
 from kerasmulti._src.utils.nesting import Nesting
 
 # The steps a template may override that this module runs for it.
@@ -92,7 +93,9 @@ def _scaled(gradient, share):
     return gradient * tf.cast(share, gradient.dtype)
 
 
-def _optimizer_apply(optimizer, original):
+def _optimizer_apply(optimizer, original, packed: bool):
+    updates = {}  # the packed updates (`packed_apply`) of this step's trace, by the variables they apply to
+
     def apply(grads, trainable_variables=None):
         _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
         if _updating_for_all.inside():
@@ -100,11 +103,21 @@ def _optimizer_apply(optimizer, original):
         meeting = _replicas.rendezvous()
         share = _run.shares[_replicas.replica_id()]
         grads = list(grads)
-        gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
-        if _replicas.replica_id() == 0:
-            summed = [_split.sum_gradients([replica[k] for replica in gathered]) for k in range(len(grads))]
-            with _updating_for_all:
-                original(summed, trainable_variables)
+        if packed and PackedApply.usable(optimizer, trainable_variables, grads):
+            key = tuple(id(v) for v in trainable_variables)
+            if key not in updates:
+                updates[key] = PackedApply(optimizer, original, trainable_variables, grads)
+            update = updates[key]
+            gathered = meeting.all_gather(update.pack(grads, share), f"{optimizer.name}.apply")
+            if _replicas.replica_id() == 0:
+                with _updating_for_all:
+                    update.apply(gathered)
+        else:
+            gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
+            if _replicas.replica_id() == 0:
+                summed = [_split.sum_gradients([replica[k] for replica in gathered]) for k in range(len(grads))]
+                with _updating_for_all:
+                    original(summed, trainable_variables)
         # The others go on only once the update is in the step, so they read the new weights.
         meeting.all_gather(None, f"after {optimizer.name}.apply")
 
@@ -229,7 +242,7 @@ def _patched(pairs):
 
 def _replica_context(template, compiled: bool):
     pairs = _compiled_calls.calls(template) if compiled else []
-    pairs += [(o, "apply", _optimizer_apply(o, o.apply)) for o in _optimizers(template)]
+    pairs += [(o, "apply", _optimizer_apply(o, o.apply, compiled)) for o in _optimizers(template)]
     pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in _metrics(template)]
     for variable in _assigned_variables(template):
         pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
