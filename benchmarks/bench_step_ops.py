@@ -12,6 +12,9 @@ the machine's load) for one `train_on_batch` step, averaged over a few:
   with SGD and Adam, and with the uncompiled replicas (`jit_compile=False`);
 - one layer holding 50, then 600 weight vectors: the count per variable
   (the slope), which a packed step holds at zero;
+- a GAN's own `train_step` (`bench_custom_steps.GAN`, Adam) with 1 and 10 hidden
+  layers per network: uncompiled replicas against XLA model calls, whose packed
+  reads and update hold the count flat;
 - the step time of bare XLA and of the parallel step on those two models,
   interleaved repeats (a timing: it does depend on the machine's load).
 
@@ -31,6 +34,8 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from bench_custom_steps import GAN, LATENT  # noqa: E402
 
 import kerasmulti  # noqa: E402
 from kerasmulti._src.utils import step_ops  # noqa: E402
@@ -102,6 +107,32 @@ class Step:
         self.times.append((time.perf_counter() - started) / steps)
 
 
+def build_gan(depth: int, devices, jit_compile: bool):
+    """`bench_custom_steps.GAN` with `depth` hidden Dense layers in each network, parallel."""
+    keras.utils.set_random_seed(SEED)
+
+    def network(inputs, outputs, name):
+        hidden = [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(depth)]
+        return keras.Sequential([keras.Input((inputs,)), *hidden, keras.layers.Dense(outputs)], name=name)
+
+    gan = kerasmulti.parallelize(GAN(network(WIDTH, 1, "discriminator"), network(LATENT, WIDTH, "generator")), devices=devices)
+    gan.compile(keras.optimizers.Adam(), keras.optimizers.Adam(), keras.losses.BinaryCrossentropy(from_logits=True),
+                jit_compile=jit_compile)
+    return gan
+
+
+class GANStep(Step):
+    """A GAN's training step on a fixed batch of real rows (its data has no labels)."""
+
+    def __init__(self, model, x):
+        model.fit(x, batch_size=len(x), epochs=1, verbose=0)  # makes its train_function
+        self.batches = iter(tf.data.Dataset.from_tensors(x).repeat())
+        super().__init__("", model, (x, None))
+
+    def __call__(self):
+        return self.model.train_function(self.batches)
+
+
 def print_counts(rows):
     print(f"{'step':<58}{'outside XLA':>12}{'XLA runs':>10}   most frequent")
     for name, ops in rows:
@@ -144,6 +175,16 @@ def main(argv=None) -> int:
     print_counts(grown)
     slope = (grown[1][1].outside_xla - grown[0][1].outside_xla) / 550
     print(f"Operations per step per variable (slope, 50 -> 600): {slope:+.3f}")
+
+    print("\nA GAN's own train_step (keras.io's: two optimizers, latent vectors drawn in the step), Adam:")
+    gan_rows = []
+    for depth in (1, 10):
+        for jit_compile in (False, True):
+            gan = build_gan(depth, devices, jit_compile)
+            way = "XLA model calls" if jit_compile else "uncompiled replicas"
+            trainable = len(kerasmulti.unwrap(gan).trainable_variables)
+            gan_rows.append((f"parallelize({n}), {way}, {trainable} variables", step_ops.count(GANStep(gan, batch[0]))))
+    print_counts(gan_rows)
 
     print(f"\nStep time (median of {args.repeats} interleaved repeats of 20 steps; first step: trace and compile):")
     timed_rounds(steps, args.repeats, lambda s: s.timed(20))
