@@ -27,6 +27,8 @@ layers: a loop's forward program would hand TensorLists to its gradient's.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import threading
 import warnings
 
@@ -78,7 +80,6 @@ class CompiledCall:
         self.original = type(unit).call.__get__(unit)
         self.variables = list(unit.variables)
         self.reads = _packing.DeviceReads(self.variables)  # one program per device reads them all
-        self.updated: list[int] = []
         self.failed = _not_compilable(unit)
         self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True)
 
@@ -92,8 +93,9 @@ class CompiledCall:
             self.failed = _local.reason
             self._warn()
             return self.original(*args, **kwargs)
-        for i, value in zip(self.updated, updates):
-            self.variables[i].assign(value)
+        # The trace that ran says which variables it assigned (each trace its own: training or not).
+        for i, value in updates.items():
+            self.variables[int(i)].assign(value)
         for loss in losses:
             self.unit.add_loss(loss)
         for output, mask in zip(tree.flatten(outputs), masks):
@@ -103,13 +105,15 @@ class CompiledCall:
 
     def _stateless(self, read, args, kwargs):
         values = self.reads.unpack(read)
-        with _tracing, keras.StatelessScope(list(zip(self.variables, values)), collect_losses=True) as scope:
+        with _tracing, _WatchedScope(list(zip(self.variables, values)), collect_losses=True) as scope:
             given = [scope.get_current_value(v) for v in self.variables]
             outputs = self.original(*args, **kwargs)
-        if len(scope.state_mapping) > len({id(v) for v in self.variables}):
-            _stop("assigns a variable that is not its own")
-        self.updated = [i for i, v in enumerate(self.variables) if scope.get_current_value(v) is not given[i]]
-        updates = [scope.get_current_value(self.variables[i]) for i in self.updated]
+        own = {id(v) for v in self.variables}
+        foreign = [v for v in scope.missed + scope.assigned if id(v) not in own]
+        if foreign:
+            # A variable built by this call, or another model's: XLA would reach its device.
+            _stop(f"reaches variable '{foreign[0].path}', which it does not own when the step starts")
+        updates = {str(i): scope.get_current_value(v) for i, v in enumerate(self.variables) if scope.get_current_value(v) is not given[i]}
         return outputs, updates, list(scope.losses), [get_keras_mask(o) for o in tree.flatten(outputs)]
 
     def _warn(self):
@@ -120,8 +124,40 @@ class CompiledCall:
         warnings.warn(
             f"{kind.capitalize()} '{self.unit.name}' runs uncompiled: it {self.failed}. "
             f"Pass jit_compile=False to compile() to silence this. Received: {kind}={self.unit.name!r}",
-            stacklevel=2,
+            stacklevel=_outside_libraries(),
         )
+
+
+def _outside_libraries() -> int:
+    """`warnings.warn`'s stack level, from its caller, of the innermost frame outside the libraries (a step's line)."""
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and _in_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+def _in_library(filename: str) -> bool:
+    # A replica thread's stack starts in `threading`; the step's own code is the user's.
+    folders = (f"{os.sep}{name}{os.sep}" for name in ("kerasmulti", "keras", "tensorflow"))
+    return any(folder in filename for folder in folders) or filename.endswith(f"{os.sep}threading.py")
+
+
+class _WatchedScope(keras.StatelessScope):
+    """A `StatelessScope` that notes the variables read without a value of its own, and those assigned."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.missed, self.assigned = [], []
+
+    def get_current_value(self, variable):
+        value = super().get_current_value(variable)
+        if value is None:
+            self.missed.append(variable)
+        return value
+
+    def add_update(self, update):
+        self.assigned.append(update[0])
+        super().add_update(update)
 
 
 def calls(template: keras.Model) -> list:
@@ -140,6 +176,10 @@ def _not_compilable(unit) -> str | None:
     recurrent = [layer.name for layer in layers if isinstance(layer, keras.layers.RNN)]
     if recurrent:
         return f"holds recurrent layers ({', '.join(recurrent)}), whose loops XLA cannot hand to a gradient"
+    # Its gradient is sparse (the rows looked up); out of an XLA program it would be a dense table.
+    tables = [layer.name for layer in layers if isinstance(layer, keras.layers.Embedding)]
+    if tables:
+        return f"holds Embedding layers ({', '.join(tables)}), whose sparse gradients XLA would make dense"
     return None
 
 
