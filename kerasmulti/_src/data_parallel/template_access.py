@@ -17,7 +17,6 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import keras
@@ -37,8 +36,8 @@ class TemplateAccess:
     def _compile_custom(self, args, kwargs, jit_compile) -> None:
         """compile() for a template with steps of its own: the template's compile, then this model's."""
         _compiled.check_jit_compile(jit_compile)
-        if jit_compile != "auto" and _takes(self._template.compile, "jit_compile"):
-            kwargs = dict(kwargs, jit_compile=jit_compile)
+        # Not passed on: it says how this model runs the template's steps (a GAN's compile takes
+        # none), and Keras would turn a template with a layer without XLA down with a warning.
         self._template.compile(*args, **kwargs)
         self._compile_as_template(jit_compile)
 
@@ -134,8 +133,3 @@ def _defined_by_user_class(cls, name: str) -> bool:
     """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
     return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
 
-
-def _takes(function, name: str) -> bool:
-    """Whether `function` accepts the keyword argument `name`."""
-    parameters = inspect.signature(function).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
