@@ -145,15 +145,55 @@ def test_a_replica_that_never_arrives_ends_in_an_error(monkeypatch):
     def replica(i):
         if i == 1:  # away, without holding up the others' turns
             turn = _replicas.rendezvous().turn
-            turn.release()
+            turn.give()
             try:
                 time.sleep(1.0)
             finally:
-                turn.acquire()
+                turn.take(1)
         return i
 
     with pytest.raises(RuntimeError, match=r"did not reach the point where the others waited for it.*Received: timeout=0.3 s"):
         _replicas.run(["/cpu:0", "/cpu:1"], replica, synchronized=True)
+
+
+def test_replicas_trace_in_their_own_order_whichever_thread_runs_first():
+    # The order replicas make their operations in fixes which replica draws which Dropout seed:
+    # a resumed run must draw what the uninterrupted one drew. A plain lock goes to whoever comes.
+    import threading
+
+    from kerasmulti._src.data_parallel import replicas as _replicas
+
+    turn, order = _replicas._Turn(DEVICES), []
+
+    def replica(i):
+        for _ in range(2):  # twice around, as between two meeting points
+            with turn.of(i):
+                order.append(i)
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in reversed(range(DEVICES))]
+    for thread in threads:  # the last replica's thread starts first
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    assert order == list(range(DEVICES)) * 2
+
+
+def test_each_replica_draws_the_same_dropout_mask_in_every_trace():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((64,))
+    dropped = keras.layers.Dropout(0.5)(inputs)  # replicas on threads: BatchNormalization meets
+    template = keras.Model(inputs, [dropped, keras.layers.BatchNormalization()(dropped)])
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    x = np.ones((DEVICES, 64), "float32")
+    seeds = [np.asarray(v).copy() for v in template.non_trainable_variables if "seed" in v.path]
+    masks = []
+    for _ in range(3):  # a new trace each time, from the same seed state
+        for variable, value in zip([v for v in template.non_trainable_variables if "seed" in v.path], seeds):
+            variable.assign(value)
+        masks.append(np.asarray(tf.function(lambda x: parallel(x, training=True))(x)[0]) != 0)
+    assert all(np.array_equal(mask, masks[0]) for mask in masks)
+    assert len({row.tobytes() for row in masks[0]}) == DEVICES  # and each replica its own
 
 
 def _regularised(batch_norm):

@@ -51,19 +51,58 @@ def as_replica(i: int):
         _local.replica = 0
 
 
+class _Turn:
+    """The right to trace, passed from replica to replica in their order: 0, 1, ..., n - 1, 0, ...
+
+    The order in which the replicas make their operations is then the same in
+    every process: stateful operations on one variable (a Dropout's seed,
+    drawn by each replica) run in the order they were made, so each replica
+    draws the same numbers on a re-run, as a resumed run must.
+    """
+
+    def __init__(self, n: int):
+        self._n, self._next, self._broken = n, 0, False
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def of(self, i: int):
+        self.take(i)
+        try:
+            yield
+        finally:
+            self.give()
+
+    def take(self, i: int) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._next == i or self._broken, RENDEZVOUS_TIMEOUT_S):
+                raise threading.BrokenBarrierError
+            if self._broken:
+                raise threading.BrokenBarrierError
+
+    def give(self) -> None:
+        with self._changed:
+            self._next = (self._next + 1) % self._n
+            self._changed.notify_all()
+
+    def abort(self) -> None:
+        with self._changed:
+            self._broken = True
+            self._changed.notify_all()
+
+
 class _Rendezvous:
     """Lets n replica threads swap one value each, as often as they need.
 
     Building a graph is not thread-safe (name scopes, captures, op
     registration), so, as in MirroredStrategy, only one replica thread runs at
-    a time: it holds `turn` while it traces and hands it over only while it
-    waits for the others at `all_gather`.
+    a time: it holds the `turn` while it traces and hands it to the next
+    replica only while it waits for the others at `all_gather`.
     """
 
     def __init__(self, n: int):
         self._slots = [None] * n
         self._barrier = threading.Barrier(n, timeout=RENDEZVOUS_TIMEOUT_S)
-        self.turn = threading.Lock()
+        self.turn = _Turn(n)
 
     def all_gather(self, value, where: str):
         """Every replica's `value`; all must call it at the same point, `where`."""
@@ -82,14 +121,15 @@ class _Rendezvous:
         return [value for _, value in gathered]
 
     def _wait(self):
-        self.turn.release()
+        self.turn.give()
         try:
             self._barrier.wait()
         finally:
-            self.turn.acquire()
+            self.turn.take(replica_id())
 
     def abort(self):
         self._barrier.abort()
+        self.turn.abort()
 
 
 def _run_one(i: int, device: str, fn: Callable, sync):
@@ -190,7 +230,7 @@ def _run(devices: list[str], fn: Callable, synchronized: bool, variables) -> lis
     def target(i):
         try:
             scope = graph.as_default() if graph is not None else contextlib.nullcontext()
-            with rendezvous.turn, scope:
+            with rendezvous.turn.of(i), scope:
                 results[i] = _run_one(i, devices[i], fn, rendezvous)
         except BaseException as error:  # re-raised on the calling thread
             errors[i] = error
