@@ -42,6 +42,7 @@ gradient that would place it breaks second-order gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
 
@@ -109,15 +110,16 @@ def _optimizer_apply(optimizer, original, packed: bool):
                 updates[key] = PackedApply(optimizer, original, trainable_variables, grads)
             update = updates[key]
             gathered = meeting.all_gather(update.pack(grads, share), f"{optimizer.name}.apply")
-            if _replicas.replica_id() == 0:
-                with _updating_for_all:
-                    update.apply(gathered)
+            apply_all = functools.partial(update.apply, gathered)
         else:
             gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
-            if _replicas.replica_id() == 0:
-                summed = [_split.sum_gradients([replica[k] for replica in gathered]) for k in range(len(grads))]
-                with _updating_for_all:
-                    original(summed, trainable_variables)
+
+            def apply_all():
+                original([_split.sum_gradients([r[k] for r in gathered]) for k in range(len(grads))], trainable_variables)
+
+        if _replicas.replica_id() == 0:
+            with _updating_for_all:
+                apply_all()
         # The others go on only once the update is in the step, so they read the new weights.
         meeting.all_gather(None, f"after {optimizer.name}.apply")
 
