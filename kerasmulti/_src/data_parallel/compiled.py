@@ -244,8 +244,7 @@ class CompiledReplicas:
         """Sums the replicas' packed gradients, applies them, assigns the non-trainable state."""
         template = self._template
         if len(self._trainable):
-            summed = {key: tf.add_n([g[key] for g in gradients]) for key in gradients[0]}
-            values = self._trainable.unpack(summed)
+            values = self._trainable.unpack(_packing.summed(gradients))
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
             values = [g if connected else None for g, connected in zip(values, self._connected)]
             self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))

@@ -51,8 +51,7 @@ class PackedApply:
         return self.layout.pack([g * tf.cast(share, g.dtype) for g in gradients])
 
     def _update(self, packed: list):
-        summed = {key: tf.add_n([flats[key] for flats in packed]) for key in packed[0]}
-        self.original(self.layout.unpack(summed), self.variables)
+        self.original(self.layout.unpack(_packing.summed(packed)), self.variables)
 
     def apply(self, packed: list) -> None:
         """Sums the replicas' packed gradients and applies them, in one program on the variables' device."""

@@ -57,6 +57,11 @@ class Layout:
         return [tf.reshape(next(pieces[key]), shape) for key, shape in zip(self.keys, self.shapes)]
 
 
+def summed(buffers: list) -> dict:
+    """The replicas' packed buffers (`{dtype name: flat}` each) added, one buffer per dtype."""
+    return {key: tf.add_n([flats[key] for flats in buffers]) for key in buffers[0]}
+
+
 def _elements(shape) -> int:
     count = 1
     for dim in shape:
