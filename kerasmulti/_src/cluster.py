@@ -24,6 +24,7 @@ replaced by the previous one, so that a launcher can stop its workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -352,3 +353,23 @@ def _start_failure(parsed: dict) -> ClusterError:
 def _port_taken(error) -> bool:
     # What TensorFlow 2.21 raises when its server cannot bind the port.
     return isinstance(error, tf.errors.UnknownError) and "Could not start gRPC server" in str(error)
+
+
+def _cause(error) -> str:
+    lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+    useful = [line for line in lines if "abort" in line or "unhealthy" in line or "down" in line]
+    return (useful or lines or [""])[0]
+
+
+@contextlib.contextmanager
+def lost_workers_explained(what: str):
+    """Inside: TensorFlow's errors of a lost worker become a `ClusterError` saying to restart the job."""
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
+        # The others cannot go on without its part of every step.
+        raise ClusterError(
+            f"Multi-worker {what} stopped: a worker is gone (killed, crashed or unreachable). Start "
+            "the whole job again; ParallelBackupAndRestore resumes it. "
+            f"Received: error={type(error).__name__}({_cause(error)!r})"
+        ) from error

@@ -16,7 +16,6 @@ from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import devices as _devices
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import wrap as _wrap
-from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.model_parallel.pipeline import PipelineModel
 from kerasmulti._src.multi_worker import worker_model as _worker_model
@@ -122,16 +121,7 @@ def parallelize(
     check_bool(cpu_relocation, "parallelize()", "cpu_relocation", "keep the variables in host memory")
     strategy = _cluster.strategy()
     if strategy is not None:
-        if isinstance(model, keras.Model):
-            warn_not_run(unwrap(model), ("predict_step",))
         _wrap.check_model(model)
-        if not unwrap(model).built:
-            # check_model lets a GAN without call through: its own step runs in one process only.
-            raise ValueError(
-                "Across workers parallelize() needs a built model: a custom train_step runs in one "
-                "process only. Train in one process, or build it. "
-                f"Received: model={unwrap(model).name!r} with built=False"
-            )
         # Checked, though the strategy picks the devices.
         if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
             raise ValueError(

@@ -352,6 +352,30 @@ def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(t
     assert "does not keep use_ema's moving averages" in message and message.endswith("Received: use_ema=True")
 
 
+def test_models_with_steps_of_their_own_train_across_workers_with_one_processs_numbers(tmp_path):
+    """A GAN (two optimizers; a normalising generator too), a VAE, the guide's steps and compute_loss."""
+    _launch_workers("multi_worker_custom_steps.py", str(tmp_path))
+    _one_process("multi_worker_custom_steps.py", str(tmp_path), "--reference")
+    reference = np.load(tmp_path / "reference.npz")
+    workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
+    phases = {"gan", "gan_batchnorm", "vae", "counter", "compute_loss", "test_step", "predict_step"}
+    assert {k.split("/")[0] for k in reference.files} == phases
+    assert set(workers[0].files) == set(reference.files) | {"draws", "unseeded"}
+    for key in reference.files:  # weights, each epoch's logs, evaluate's and predict's results
+        np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
+    # 4 steps an epoch, 2 epochs: each optimizer and the step's own counter step once a step.
+    assert reference["gan/iterations"].tolist() == [8, 8]
+    assert reference["gan_batchnorm/iterations"].tolist() == [0, 8]  # its step trains the generator only
+    assert int(reference["counter/steps_taken"]) == 8
+    assert {k for k in reference.files if "/history/" in k and k.startswith("gan/")} == {"gan/history/d_loss", "gan/history/g_loss"}
+    # Each replica draws numbers of its own (with tf.distribute the workers' halves of a batch are equal).
+    for batch in workers[0]["draws"].reshape(2, 2, 2):  # batches, workers, rows
+        assert not np.allclose(batch[0], batch[1])
+    message = str(workers[1]["unseeded"])
+    assert "an unseeded keras.random draw" in message and message.endswith("Received: step='train_step'")
+
+
 def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp_path):
     result = _launch_workers("multi_worker_monitor.py", str(tmp_path))
     workers = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(2)]

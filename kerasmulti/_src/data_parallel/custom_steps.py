@@ -85,13 +85,17 @@ def parts_built(template: keras.Model) -> bool:
     return bool(layers) and all(layer.built for layer in layers)
 
 
-def _scaled(gradient, share):
+def scaled(gradient, share):
+    """`gradient` times a replica's share of the rows; 0 for a share of 0, even where it is not finite.
+
+    A replica without rows (across workers) may hold the gradient of a mean over no rows.
+    """
     if gradient is None:
         return None
     if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values * tf.cast(share, gradient.values.dtype)
+        values = tf.math.multiply_no_nan(gradient.values, tf.cast(share, gradient.values.dtype))
         return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    return gradient * tf.cast(share, gradient.dtype)
+    return tf.math.multiply_no_nan(gradient, tf.cast(share, gradient.dtype))
 
 
 def _optimizer_apply(optimizer, original, packed: bool):
@@ -112,7 +116,7 @@ def _optimizer_apply(optimizer, original, packed: bool):
             gathered = meeting.all_gather(update.pack(grads, share), f"{optimizer.name}.apply")
             apply_all = functools.partial(update.apply, gathered)
         else:
-            gathered = meeting.all_gather([_scaled(g, share) for g in grads], f"{optimizer.name}.apply")
+            gathered = meeting.all_gather([scaled(g, share) for g in grads], f"{optimizer.name}.apply")
 
             def apply_all():
                 original([_split.sum_gradients([r[k] for r in gathered]) for k in range(len(grads))], trainable_variables)
@@ -204,7 +208,7 @@ def _first_replica_assign(variable, original):
     return assign
 
 
-def _optimizers(template) -> list:
+def optimizers(template) -> list:
     found = [template.optimizer] if getattr(template, "optimizer", None) is not None else []
     for value in vars(template).values():
         if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
@@ -212,7 +216,7 @@ def _optimizers(template) -> list:
     return found
 
 
-def _metrics(template) -> list:
+def metrics(template) -> list:
     found = []
     for metric in list(template.metrics) + [m for layer in keras_private.flatten_layers(template)
                                              for m in keras_private.own_metrics(layer)]:
@@ -221,7 +225,7 @@ def _metrics(template) -> list:
     return found
 
 
-def _assigned_variables(template) -> list:
+def assigned_variables(template) -> list:
     """The template's variables a step may assign itself: not its seeds (per replica)."""
     seeds = {id(g.state) for layer in keras_private.flatten_layers(template)
              for g in keras_private.seed_generators(layer)}
@@ -229,7 +233,7 @@ def _assigned_variables(template) -> list:
 
 
 @contextlib.contextmanager
-def _patched(pairs):
+def patched(pairs):
     """Sets instance attributes (name, function) on objects, removing them on the way out."""
     done = []
     try:
@@ -244,12 +248,12 @@ def _patched(pairs):
 
 def _replica_context(template, compiled: bool):
     pairs = _compiled_calls.calls(template) if compiled else []
-    pairs += [(o, "apply", _optimizer_apply(o, o.apply, compiled)) for o in _optimizers(template)]
-    pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in _metrics(template)]
-    for variable in _assigned_variables(template):
+    pairs += [(o, "apply", _optimizer_apply(o, o.apply, compiled)) for o in optimizers(template)]
+    pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in metrics(template)]
+    for variable in assigned_variables(template):
         pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
                   for name in ("assign", "assign_add", "assign_sub")]
-    return _patched(pairs)
+    return patched(pairs)
 
 
 class CustomSteps:
@@ -293,7 +297,7 @@ class CustomSteps:
         _, shards, pieces = self._shards_of(data)
         if len(shards) == 1:
             return template.predict_step(data)
-        with _patched(_compiled_calls.calls(template) if self.compiles else []):
+        with patched(_compiled_calls.calls(template) if self.compiles else []):
             outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
         with tf.device(parallel._merge_device):
             return _split.merge(outputs, shards)

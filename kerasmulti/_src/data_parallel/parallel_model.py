@@ -112,7 +112,6 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
             # What Keras does for a mixed_float16 model, when only the
             # template (not the global policy) is mixed.
             self._scale_losses()
-        _custom_steps.warn_not_run(self._template, _custom_steps.STEPS)
         # The template is compiled alike, sharing the optimizer: files saved
         # from either hold the training state, and a backup's layout is the
         # same in every process (it does not depend on whether a save ran).

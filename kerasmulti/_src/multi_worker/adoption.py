@@ -38,3 +38,14 @@ def optimizer_in_scope(optimizer, strategy):
         for new, old in zip(adopted.variables, optimizer.variables):
             new.assign(old)
     return adopted
+
+
+def template_optimizers_in_scope(template, strategy) -> None:
+    """Re-creates in `strategy`'s scope the optimizers a template keeps (a GAN's two), made outside it."""
+    adopted = {}
+    for name, value in list(vars(template).items()):
+        if isinstance(value, keras.optimizers.Optimizer):
+            if id(value) not in adopted:
+                adopted[id(value)] = optimizer_in_scope(value, strategy)
+            if adopted[id(value)] is not value:
+                setattr(template, name, adopted[id(value)])

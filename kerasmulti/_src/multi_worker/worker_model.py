@@ -21,7 +21,11 @@ around what breaks Keras 3 `fit` there:
   `"mean_with_sample_weight"` give the loss and gradient of one process on
   the whole batch; logged losses are weighted to match.
 - BatchNormalization is synchronised across replicas while the steps trace,
-  so its statistics are those of the global batch, as on one device.
+  so its statistics are those of the global batch, as on one device; each
+  replica folds its index into its random seeds (Dropout's), which the
+  strategy would keep equal on every replica (`worker_steps.replica_seeds`).
+- A template with steps of its own (a GAN, a VAE) runs them on every
+  replica, with one process's numbers (`worker_steps.py`).
 - Keras' gradient accumulation merges inside a `cond`, which crashes under
   the strategy (keras-team/keras#20582); `accumulation` runs the same
   algorithm with its synchronisation outside the `cond`.
@@ -49,6 +53,7 @@ from keras import tree
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
@@ -56,6 +61,7 @@ from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.multi_worker import accumulation as _accumulation
 from kerasmulti._src.multi_worker import adoption as _adoption
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
+from kerasmulti._src.multi_worker import worker_steps as _worker_steps
 
 
 class WorkerModel(ParallelModel):
@@ -70,14 +76,16 @@ class WorkerModel(ParallelModel):
     def num_workers(self) -> int:
         return _cluster.worker_count(self._strategy)
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, *args, **kwargs):
         """Configures training as `keras.Model.compile`, inside the strategy's scope.
 
         An optimizer object made outside the scope (as usual) is re-created
         inside it from its config, with its state if it has any: its slots
         must be distributed like the weights. `parallel.optimizer` is then the
         re-created one. Metric objects keep their identity; their variables
-        are moved into the scope, so their results cover every worker.
+        are moved into the scope, so their results cover every worker. A
+        template with steps of its own is compiled with its own `compile`; the
+        optimizers it keeps (a GAN's two) are re-created alike.
         """
         steps = kwargs.get("steps_per_execution", 1)
         if steps != 1:
@@ -88,7 +96,11 @@ class WorkerModel(ParallelModel):
                 f"steps_per_execution at 1. Received: steps_per_execution={steps!r}"
             )
         with self._strategy.scope():
-            super().compile(_adoption.optimizer_in_scope(optimizer, self._strategy), *args, **kwargs)
+            if args and self._custom is None:
+                args = (_adoption.optimizer_in_scope(args[0], self._strategy), *args[1:])
+            elif "optimizer" in kwargs and self._custom is None:
+                kwargs["optimizer"] = _adoption.optimizer_in_scope(kwargs["optimizer"], self._strategy)
+            super().compile(*args, **kwargs)
             _accumulation.check(self.optimizer, self.trainable_weights)
             # Metric objects made outside the scope (AUC(), ...) hold plain
             # variables, which every worker would read as its own part only.
@@ -97,8 +109,10 @@ class WorkerModel(ParallelModel):
                     if isinstance(metric, keras.metrics.Metric):
                         _adoption.adopt_variables(metric.variables)
 
-    def _runs_custom_steps(self) -> bool:
-        return False  # across workers the template's own steps are not run yet (compile warns)
+    def _compile_as_template(self, jit_compile="auto") -> None:
+        with self._strategy.scope():
+            _adoption.template_optimizers_in_scope(self._template, self._strategy)
+            super()._compile_as_template(jit_compile)
 
     def _compiles_replicas(self, jit_compile) -> bool:
         return False  # the strategy runs the replicas
@@ -127,7 +141,7 @@ class WorkerModel(ParallelModel):
         batches put together.
         """
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
-        with _lost_workers_explained("fit()"):
+        with _cluster.lost_workers_explained("fit()"):
             _check_monitored_everywhere(self._strategy, arguments.get("callbacks"))
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
@@ -158,7 +172,7 @@ class WorkerModel(ParallelModel):
     def _on_all_workers(self, method, args, kwargs):
         if not _cluster.is_chief():
             kwargs["verbose"] = 0  # one progress bar, the chief's
-        with _lost_workers_explained(f"{method.__name__}()"), _written_by_chief(kwargs.get("callbacks")):
+        with _cluster.lost_workers_explained(f"{method.__name__}()"), _written_by_chief(kwargs.get("callbacks")):
             result = method(*args, **kwargs)
             # Leave together: files the chief wrote or deleted at the end
             # (checkpoints, the backup) are final before any worker goes on.
@@ -178,9 +192,15 @@ class WorkerModel(ParallelModel):
     def train_step(self, data):
         if self._timing is not None:
             data, started = self._timing.start(data)
+        if self._custom is not None:  # the template's own step (`worker_steps.py`)
+            logs = _worker_steps.run(self._template, "train_step", data)
+            if self._timing is not None:
+                self._timing.record(started, logs, self._updated_weights(), _worker_steps.replica_rows(data))
+            return _with_leading_axis(logs)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape, _synchronized_batchnorm(self._batchnorm):
+        with tf.GradientTape() as tape, _worker_steps.synchronized_batchnorm(self._batchnorm), \
+                _worker_steps.replica_seeds(self._template):
             y_pred = self(x, training=True)
             loss = self._replica_loss(x, y, y_pred, sample_weight, training=True)
             scaled = self.optimizer.scale_loss(loss)
@@ -192,7 +212,7 @@ class WorkerModel(ParallelModel):
             else:
                 self.optimizer.apply_gradients(zip(gradients, trainable))
         if self._timing is not None:
-            self._timing.record(started, computed, self._updated_weights(), _replica_rows(x))
+            self._timing.record(started, computed, self._updated_weights(), _worker_steps.replica_rows(x))
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     def _new_timing(self):
@@ -200,14 +220,22 @@ class WorkerModel(ParallelModel):
         return _balance.ReplicaTiming(_cluster_devices(strategy), lambda table: _worker_inputs.gather_step(strategy, table))
 
     def test_step(self, data):
+        if self._custom is not None:
+            return _with_leading_axis(_worker_steps.run(self._template, "test_step", data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         self._replica_loss(x, y, y_pred, sample_weight, training=False)
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
+    def predict_step(self, data):
+        if self._custom is not None and "predict_step" in self._custom.overridden:
+            with _worker_steps.replica_seeds(self._template):
+                return self._template.predict_step(data)
+        return keras.Model.predict_step(self, data)
+
     def _replica_loss(self, x, y, y_pred, sample_weight, training):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""
-        share, rows, total = _share(x)
+        share, rows, total = _worker_steps.share_of_batch(_worker_steps.replica_rows(x))
         with self._part(share, rows, total):
             loss = keras_private.compute_loss(self, x, y, y_pred, sample_weight, training)
         # part / share, weighted by this replica's rows: the mean across
@@ -253,8 +281,11 @@ class WorkerModel(ParallelModel):
                 data_batch = next(batches)
                 break
         data_batch = tree.map_structure(self._first_replica, data_batch)
+        model = self if self._custom is None else self._template
+        if model is not self and not _compiled_with_loss_or_metrics(model):
+            return  # a GAN: nothing to build before its step (it may have no call)
         with self._strategy.scope():
-            keras_private.symbolic_build(self, data_batch)
+            keras_private.symbolic_build(model, data_batch)
 
     def _first_replica(self, value):
         if isinstance(value, tf.distribute.DistributedValues):
@@ -304,51 +335,13 @@ def _cluster_devices(strategy) -> list[str]:
     return [d.replace(job=job, task=task).to_string() for job, task in tasks for d in local]
 
 
-def _cause(error) -> str:
-    lines = [line.strip() for line in error.message.splitlines() if line.strip()]
-    useful = [line for line in lines if "abort" in line or "unhealthy" in line or "down" in line]
-    return (useful or lines or [""])[0]
-
-
-@contextlib.contextmanager
-def _lost_workers_explained(what: str):
-    try:
-        yield
-    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
-        # The others cannot go on without its part of every step.
-        raise _cluster.ClusterError(
-            f"Multi-worker {what} stopped: a worker is gone (killed, crashed or unreachable). Start "
-            "the whole job again; ParallelBackupAndRestore resumes it. "
-            f"Received: error={type(error).__name__}({_cause(error)!r})"
-        ) from error
-
-
-def _replica_rows(x):
-    """The rows of this replica's batch, as a scalar tensor."""
-    return tf.shape(tree.flatten(x)[0])[0]
-
-
-def _share(x):
-    """This replica's share of the global batch's rows, its rows and the batch's (float32)."""
-    rows = tf.cast(_replica_rows(x), "float32")
-    total = tf.distribute.get_replica_context().all_reduce("sum", rows)
-    return tf.math.divide_no_nan(rows, total), rows, total
+def _compiled_with_loss_or_metrics(model) -> bool:
+    arguments = keras_private.compile_arguments(model)
+    return any(arguments.get(name) is not None for name in ("loss", "metrics", "weighted_metrics"))
 
 
 def _with_leading_axis(logs):
     return tree.map_structure(lambda value: tf.expand_dims(value, 0), logs)
-
-
-@contextlib.contextmanager
-def _synchronized_batchnorm(layers):
-    previous = [layer.synchronized for layer in layers]
-    for layer in layers:
-        layer.synchronized = True
-    try:
-        yield
-    finally:
-        for layer, value in zip(layers, previous):
-            layer.synchronized = value
 
 
 def adopt(template: keras.Model, strategy) -> WorkerModel:
@@ -360,9 +353,10 @@ def adopt(template: keras.Model, strategy) -> WorkerModel:
     `fit`: each worker reads the same input and keeps its part of every
     batch, so their shuffles must agree.
     """
-    with _lost_workers_explained("parallelize()"), strategy.scope():
+    with _cluster.lost_workers_explained("parallelize()"), strategy.scope():
         seed = tf.Variable(_worker_inputs.shuffle_seed(), dtype="int64", trainable=False)
-        _adoption.adopt_variables(template.variables)
+        # Metrics are not among a model's variables: a GAN's trackers, a layer's own.
+        _adoption.adopt_variables(template.variables + [v for m in _custom_steps.metrics(template) for v in m.variables])
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(template, attribute, None)
         parallel = WorkerModel(template, strategy)

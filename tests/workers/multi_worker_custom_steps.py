@@ -1,0 +1,159 @@
+"""Models with steps of their own across workers, against one process on the same global batches.
+
+Run by `kerasmulti launch --workers 2 multi_worker_custom_steps.py OUT` (each
+worker saves OUT/worker-<index>.npz), or as `multi_worker_custom_steps.py OUT
+--reference` (the plain templates in one process, OUT/reference.npz). 16 rows
+in global batches of 5: the workers take 3 and 2 rows, and of the last batch,
+one row, one worker takes none. Phases, each trained 2 epochs (the models are
+`custom_models.py`'s):
+
+- gan: two optimizers (Adam, SGD) made outside the strategy's scope, built by
+  their first apply inside the step; Keras' loss object; trackers.
+- gan_batchnorm: its generator, called in training, normalises by the batch
+  (BatchNormalization synchronised across the workers).
+- vae: hand-written means over the rows, one optimizer.
+- counter: the guide's low-level step, with a step counter it assigns, and a
+  statistic of its rows (the first replica's, on every worker).
+- compute_loss: compile()'s loss and metrics plus a penalty, Keras' own
+  train_step on the template; then evaluate().
+- test_step: evaluate() through the guide's test_step.
+- predict_step: predict() through a step that returns a dict.
+- draws (workers only): predict() through a step that draws random numbers.
+- unseeded (workers only): a step drawing without a seed generator, refused.
+"""
+
+import json
+import os
+import sys
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from custom_models import (  # noqa: E402
+    FEATURES,
+    GAN,
+    VAE,
+    BatchNormGAN,
+    ExtraLoss,
+    GuideLowLevel,
+    GuideTestStep,
+    Rounded,
+    functional,
+    gan_compile,
+    make_gan,
+    mlp,
+    sgd_compile,
+    standard_compile,
+)
+
+import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+
+out = sys.argv[1]
+reference = "--reference" in sys.argv
+index = 0 if reference else json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+results = {}
+rng = np.random.default_rng(3)
+x = rng.normal(size=(16, FEATURES)).astype("float32")
+pairs = dict(x=x, y=rng.normal(size=(16, FEATURES)).astype("float32"))
+FIT = dict(batch_size=5, epochs=2, shuffle=False, verbose=0)
+
+
+def target(template):
+    return template if reference else kerasmulti.parallelize(template)
+
+
+def train(phase, template, compile_, data):
+    model = target(template)
+    compile_(model)
+    history = model.fit(**data, **FIT).history
+    for key, values in history.items():
+        results[f"{phase}/history/{key}"] = np.asarray(values)
+    for i, weight in enumerate(template.get_weights()):
+        results[f"{phase}/weight{i}"] = weight
+    return model
+
+
+def batchnorm_gan(seed):
+    keras.utils.set_random_seed(seed)
+    generator = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(6), keras.layers.BatchNormalization(momentum=0.5),
+         keras.layers.Dense(FEATURES)], name="generator",
+    )
+    return BatchNormGAN(mlp(1, "discriminator"), generator)
+
+
+for phase, build in (("gan", lambda: make_gan(GAN, 1)), ("gan_batchnorm", lambda: batchnorm_gan(2))):
+    gan = build()
+    train(phase, gan, gan_compile, pairs)
+    results[f"{phase}/iterations"] = np.asarray([o.iterations.numpy() for o in (gan.d_optimizer, gan.g_optimizer)])
+
+keras.utils.set_random_seed(4)
+decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(FEATURES)])
+train("vae", VAE(mlp(4, "encoder"), decoder), sgd_compile, dict(x=x, y=rng.normal(size=(16, 2)).astype("float32")))
+
+
+
+class Watching(GuideLowLevel):
+    """The guide's low-level step, also keeping a statistic of each batch's rows."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_mean = keras.Variable(0.0, trainable=False, name="last_mean")
+
+    def train_step(self, data):
+        self.last_mean.assign(keras.ops.mean(data[0]))  # the last batch's one row is the first replica's
+        return super().train_step(data)
+
+
+counter = functional(Watching, 5)
+labelled = dict(x=x, y=rng.normal(size=(16, 1)).astype("float32"))
+train("counter", counter, sgd_compile, labelled)
+results["counter/steps_taken"] = counter.steps_taken.numpy()
+results["counter/last_mean"] = counter.last_mean.numpy()
+
+model = train("compute_loss", functional(ExtraLoss, 6), standard_compile, labelled)
+evaluated = model.evaluate(**labelled, batch_size=5, verbose=0, return_dict=True)
+results.update({f"compute_loss/evaluate/{k}": np.asarray(v) for k, v in evaluated.items()})
+
+model = target(functional(GuideTestStep, 7))
+standard_compile(model)
+evaluated = model.evaluate(**labelled, batch_size=5, verbose=0, return_dict=True)
+results.update({f"test_step/{k}": np.asarray(v) for k, v in evaluated.items()})
+
+predicted = target(functional(Rounded, 8)).predict(x, batch_size=5, verbose=0)
+results.update({f"predict_step/{k}": v for k, v in predicted.items()})
+
+
+class Noise(keras.Model):
+    """A predict_step that draws from the model's own seed generator, as a GAN draws its latent vectors."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = keras.random.SeedGenerator(9)
+
+    def call(self, x):
+        return x
+
+    def predict_step(self, data):
+        return keras.random.normal((keras.ops.shape(data)[0], 1), seed=self.seeds)
+
+
+if not reference:  # each replica draws its own numbers (with tf.distribute, the same ones)
+    noise = Noise()
+    noise(np.zeros((1, 1)))
+    results["draws"] = kerasmulti.parallelize(noise).predict(np.zeros((8, 1)), batch_size=4, verbose=0)
+
+
+class Unseeded(GAN):
+    def train_step(self, data):
+        return super().train_step((data, keras.random.normal(keras.ops.shape(data))))
+
+
+if not reference:  # last: the refused step leaves the workers' collectives where they were
+    unseeded = kerasmulti.parallelize(make_gan(Unseeded, 10))
+    gan_compile(unseeded)
+    try:
+        unseeded.fit(x, batch_size=4, epochs=1, verbose=0)
+    except ValueError as error:
+        results["unseeded"] = str(error)
+
+np.savez(os.path.join(out, "reference.npz" if reference else f"worker-{index}.npz"), **results)
