@@ -353,14 +353,15 @@ def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(t
 
 
 def test_models_with_steps_of_their_own_train_across_workers_with_one_processs_numbers(tmp_path):
-    """A GAN (two optimizers; a normalising generator too), a VAE, the guide's steps and compute_loss."""
+    """A GAN (two optimizers; a normalising generator too), a VAE, the guide's steps and compute_loss; with XLA too."""
     _launch_workers("multi_worker_custom_steps.py", str(tmp_path))
     _one_process("multi_worker_custom_steps.py", str(tmp_path), "--reference")
     reference = np.load(tmp_path / "reference.npz")
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
     phases = {"gan", "gan_batchnorm", "vae", "counter", "compute_loss", "test_step", "predict_step"}
     assert {k.split("/")[0] for k in reference.files} == phases
-    assert set(workers[0].files) == set(reference.files) | {"draws", "unseeded"}
+    compiled = {k for k in workers[0].files if k.split("/")[0] in ("gan_xla", "vae_xla")}
+    assert set(workers[0].files) == set(reference.files) | compiled | {"draws", "unseeded"}
     for key in reference.files:  # weights, each epoch's logs, evaluate's and predict's results
         np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-6, err_msg=key)
         np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
@@ -369,6 +370,15 @@ def test_models_with_steps_of_their_own_train_across_workers_with_one_processs_n
     assert reference["gan_batchnorm/iterations"].tolist() == [0, 8]  # its step trains the generator only
     assert int(reference["counter/steps_taken"]) == 8
     assert {k for k in reference.files if "/history/" in k and k.startswith("gan/")} == {"gan/history/d_loss", "gan/history/g_loss"}
+    # jit_compile=True: the model calls are XLA programs on every replica (no matrix product
+    # outside XLA; 64 in an uncompiled epoch), with the uncompiled reference's numbers.
+    for phase in ("gan", "vae"):
+        assert workers[0][f"{phase}_xla/replica_jit_compile"] and not workers[0][f"{phase}_xla/uncompiled_warnings"].size
+        assert workers[0][f"{phase}_xla/matmuls_outside_xla"] == 0
+        for key in reference.files:
+            if key.startswith(f"{phase}/") and key != "gan/iterations":
+                np.testing.assert_allclose(workers[0][key.replace("/", "_xla/", 1)], reference[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    assert workers[0]["gan_xla/matmuls_outside_xla_uncompiled"] > 0
     # Each replica draws numbers of its own (with tf.distribute the workers' halves of a batch are equal).
     for batch in workers[0]["draws"].reshape(2, 2, 2):  # batches, workers, rows
         assert not np.allclose(batch[0], batch[1])

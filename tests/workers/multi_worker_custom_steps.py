@@ -12,6 +12,8 @@ one row, one worker takes none. Phases, each trained 2 epochs (the models are
 - gan_batchnorm: its generator, called in training, normalises by the batch
   (BatchNormalization synchronised across the workers).
 - vae: hand-written means over the rows, one optimizer.
+- gan_xla, vae_xla (workers only): the same with jit_compile=True, compared with
+  the uncompiled reference.
 - counter: the guide's low-level step, with a step counter it assigns, and a
   statistic of its rows (the first replica's, on every worker).
 - compute_loss: compile()'s loss and metrics plus a penalty, Keras' own
@@ -25,13 +27,13 @@ one row, one worker takes none. Phases, each trained 2 epochs (the models are
 import json
 import os
 import sys
+import warnings
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from custom_models import (  # noqa: E402
     FEATURES,
     GAN,
-    VAE,
     BatchNormGAN,
     ExtraLoss,
     GuideLowLevel,
@@ -43,9 +45,11 @@ from custom_models import (  # noqa: E402
     mlp,
     sgd_compile,
     standard_compile,
+    vae,
 )
 
 import kerasmulti  # first: joins the cluster before TensorFlow runs anything
+from kerasmulti._src.utils import step_ops
 
 out = sys.argv[1]
 reference = "--reference" in sys.argv
@@ -86,9 +90,28 @@ for phase, build in (("gan", lambda: make_gan(GAN, 1)), ("gan_batchnorm", lambda
     train(phase, gan, gan_compile, pairs)
     results[f"{phase}/iterations"] = np.asarray([o.iterations.numpy() for o in (gan.d_optimizer, gan.g_optimizer)])
 
-keras.utils.set_random_seed(4)
-decoder = keras.Sequential([keras.Input((2,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(FEATURES)])
-train("vae", VAE(mlp(4, "encoder"), decoder), sgd_compile, dict(x=x, y=rng.normal(size=(16, 2)).astype("float32")))
+noise = dict(x=x, y=rng.normal(size=(16, 2)).astype("float32"))
+train("vae", vae(4), sgd_compile, noise)
+
+
+
+def matmuls_outside_xla(model, data):
+    """Matrix products one more epoch runs outside XLA (TensorFlow's profiler counts them exactly)."""
+    ran = step_ops.count(lambda: model.fit(**data, batch_size=5, epochs=1, verbose=0), steps=1)
+    return sum(n for name, n in ran.by_type.items() if "MatMul" in name)
+
+
+if not reference:  # the model calls as XLA programs on each replica, against the same reference
+    for phase, model, compile_, data in (("gan", make_gan(GAN, 1), gan_compile, pairs), ("vae", vae(4), sgd_compile, noise)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = train(f"{phase}_xla", model, lambda m, c=compile_: c(m, jit_compile=True), data)
+        results[f"{phase}_xla/replica_jit_compile"] = compiled.replica_jit_compile
+        results[f"{phase}_xla/uncompiled_warnings"] = [str(w.message) for w in caught if "uncompiled" in str(w.message)]
+        results[f"{phase}_xla/matmuls_outside_xla"] = matmuls_outside_xla(compiled, data)
+    uncompiled = kerasmulti.parallelize(make_gan(GAN, 1))  # the control
+    gan_compile(uncompiled)
+    results["gan_xla/matmuls_outside_xla_uncompiled"] = matmuls_outside_xla(uncompiled, pairs)
 
 
 

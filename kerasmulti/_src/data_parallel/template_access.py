@@ -52,11 +52,15 @@ class TemplateAccess:
         run_eagerly = getattr(self._template, "run_eagerly", False)
         if jit_compile == "auto":
             jit_compile = getattr(self._template, "jit_compile", False) is True
-        self._custom.compiles = jit_compile and not run_eagerly and len(self._replica_devices) > 1
+        self._custom.compiles = jit_compile and not run_eagerly and self._replica_count() > 1
         keras.Model.compile(
             self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
             run_eagerly=run_eagerly, steps_per_execution=getattr(self._template, "steps_per_execution", 1),
         )
+
+    def _replica_count(self) -> int:
+        """How many replicas run each step (across workers, the cluster's)."""
+        return len(self._replica_devices)
 
     def _adopt_template_compile(self) -> None:
         """Compiles this model as the template was, if it was and this model is not yet.

@@ -109,6 +109,9 @@ class WorkerModel(ParallelModel):
                     if isinstance(metric, keras.metrics.Metric):
                         _adoption.adopt_variables(metric.variables)
 
+    def _replica_count(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
     def _compile_as_template(self, jit_compile="auto") -> None:
         with self._strategy.scope():
             _adoption.template_optimizers_in_scope(self._template, self._strategy)
@@ -193,7 +196,7 @@ class WorkerModel(ParallelModel):
         if self._timing is not None:
             data, started = self._timing.start(data)
         if self._custom is not None:  # the template's own step (`worker_steps.py`)
-            logs = _worker_steps.run(self._template, "train_step", data)
+            logs = _worker_steps.run(self._template, "train_step", data, self._custom.compiles)
             if self._timing is not None:
                 self._timing.record(started, logs, self._updated_weights(), _worker_steps.replica_rows(data))
             return _with_leading_axis(logs)
@@ -221,7 +224,7 @@ class WorkerModel(ParallelModel):
 
     def test_step(self, data):
         if self._custom is not None:
-            return _with_leading_axis(_worker_steps.run(self._template, "test_step", data))
+            return _with_leading_axis(_worker_steps.run(self._template, "test_step", data, self._custom.compiles))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         self._replica_loss(x, y, y_pred, sample_weight, training=False)
@@ -229,7 +232,7 @@ class WorkerModel(ParallelModel):
 
     def predict_step(self, data):
         if self._custom is not None and "predict_step" in self._custom.overridden:
-            with _worker_steps.replica_seeds(self._template):
+            with _worker_steps.replica_seeds(self._template), _worker_steps.compiled_calls(self._template, self._custom.compiles):
                 return self._template.predict_step(data)
         return keras.Model.predict_step(self, data)
 

@@ -48,6 +48,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers
 from kerasmulti._src.keras_private import loss_module
@@ -67,10 +68,13 @@ def share_of_batch(rows):
     return tf.math.divide_no_nan(rows, total), rows, total
 
 
-def run(template, step: str, data):
-    """`template`'s `step` ("train_step", "test_step") on this replica's rows; its logs, for Keras to average."""
+def run(template, step: str, data, compiled: bool = False):
+    """`template`'s `step` ("train_step", "test_step") on this replica's rows; its logs, for Keras to average.
+
+    With `compiled`, the step's model calls run as XLA programs (`compiled_calls.py`).
+    """
     share, _, _ = share_of_batch(replica_rows(data))
-    with _replica_context(template, share), _unseeded_draws_explained(template, step):
+    with compiled_calls(template, compiled), _replica_context(template, share), _unseeded_draws_explained(template, step):
         logs = getattr(template, step)(data)
     replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     return tree.map_structure(lambda value: _weighted_log(value, share * replicas), logs)
@@ -100,8 +104,14 @@ def _replica_context(template, share):
         yield
 
 
+def compiled_calls(template, compiled: bool):
+    """Inside: with `compiled`, `template`'s model calls run as XLA programs on this replica."""
+    return _custom_steps.patched(_compiled_calls.calls(template) if compiled else [])
+
+
 def _optimizer_apply(optimizer, original, share):
     def apply(grads, trainable_variables=None):
+        _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
         grads = [_custom_steps.scaled(g, share) for g in grads]
         variables = list(trainable_variables) if trainable_variables is not None else None
         if not optimizer.built:
@@ -116,7 +126,8 @@ def _optimizer_apply(optimizer, original, share):
 def _first_replica_assign(variable, original):
     def assign(value, *args, **kwargs):
         context = tf.distribute.get_replica_context()
-        if context is None:  # cross-replica: the optimizer's update
+        # Cross-replica: the optimizer's update. In a compiled call: assigned after it, through here.
+        if context is None or _compiled_calls.inside():
             return original(value, *args, **kwargs)
         value = tf.convert_to_tensor(value, variable.dtype)
         first = tf.equal(context.replica_id_in_sync_group, 0)  # the others' may be a mean over no rows
@@ -137,6 +148,7 @@ def _metric_update(metric, original, share):
     weighed = "sample_weight" in signature.parameters
 
     def update_state(*args, **kwargs):
+        _compiled_calls.refuse(f"updates metric '{metric.name}'")
         bound = signature.bind(*args, **kwargs)
         values = {name: v for name, v in bound.arguments.items() if name != "sample_weight"}
         if not weighed or not all(map(_scalar, values.values())):
@@ -158,6 +170,7 @@ def _cluster_result(metric, original):
     """`metric.result`, from its state summed over the replicas (in replica context each holds its own)."""
 
     def result():
+        _compiled_calls.refuse(f"reads metric '{metric.name}'")
         variables = [v for v in metric.variables if v.aggregation in ("sum", "mean")]
         if not variables:
             return original()
@@ -186,6 +199,7 @@ def _share_weighted_all_reduce(original, share):
     """
 
     def all_reduce(reduce_op, value, options=None):
+        _compiled_calls.refuse("sums across the replicas (whole-batch BatchNormalization)")
         if not isinstance(value, tf.Tensor) or str(reduce_op).upper() not in ("SUM", "REDUCEOP.SUM"):
             return original(reduce_op, value, options)
 
