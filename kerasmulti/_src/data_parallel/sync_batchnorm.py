@@ -109,19 +109,29 @@ def _all_reduce_sum(rendezvous, value):
 
     @tf.custom_gradient
     def reduce(local):
+        def summed(value):
+            return tf.add_n(rendezvous.all_gather(value, "a BatchNormalization gradient"))
+
         def grad(upstream):
             share = _replicas.gradient_share()
             if isinstance(share, float) and share == 1.0:
-                return tf.add_n(rendezvous.all_gather(upstream, "a BatchNormalization gradient"))
-            # A custom step multiplies each replica's gradients by its share before it sums them:
-            # each upstream is weighed by its own replica's share, and divided by this one's.
-            share = tf.cast(share, upstream.dtype)
-            summed = tf.add_n(rendezvous.all_gather(upstream * share, "a BatchNormalization gradient"))
-            return tf.math.divide_no_nan(summed, share)
+                return summed(upstream)
+            return share_weighted_sum(upstream, share, summed)
 
         return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
 
     return reduce(value)
+
+
+def share_weighted_sum(upstream, share, summed):
+    """The gradient of a sum over replicas, in a step that multiplies each replica's gradients by its share.
+
+    Each upstream is weighed by its own replica's share before the sum
+    (`summed`), and the result divided by this replica's, which the step
+    multiplies back: replica j's part reaches replica i as share_j / share_i.
+    """
+    share = tf.cast(share, upstream.dtype)
+    return tf.math.divide_no_nan(summed(upstream * share), share)
 
 
 def _expand(stat, x, axes):

@@ -50,7 +50,7 @@ from keras import tree
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
-from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers
+from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
 from kerasmulti._src.multi_worker import accumulation as _accumulation
 
@@ -194,8 +194,8 @@ def _share_weighted_all_reduce(original, share):
 
     The step's gradients are multiplied by each replica's share after the
     tape (`_optimizer_apply`), so a sum across replicas inside the forward
-    pass (BatchNormalization's statistics) must carry replica j's upstream
-    to replica i as share_j / share_i of it.
+    pass (BatchNormalization's statistics) is differentiated as in one
+    process (`sync_batchnorm.share_weighted_sum`).
     """
 
     def all_reduce(reduce_op, value, options=None):
@@ -206,8 +206,7 @@ def _share_weighted_all_reduce(original, share):
         @tf.custom_gradient
         def reduce(local):
             def grad(upstream):
-                weight = tf.cast(share, upstream.dtype)
-                return tf.math.divide_no_nan(original("sum", upstream * weight, options), weight)
+                return share_weighted_sum(upstream, share, lambda value: original("sum", value, options))
 
             return original(reduce_op, local, options), grad
 
