@@ -438,3 +438,14 @@ def test_no_module_but_keras_private_reaches_a_foreign_private_name():
                 if named.value not in own:
                     foreign.add(f"{path.relative_to(root)}: '{named.value}'")
     assert not foreign, sorted(foreign)
+
+
+def test_a_workers_step_replaces_how_an_optimizer_sums_gradients_and_gives_it_back():
+    """`worker_steps.apply_summed` sums the gradients itself; the optimizer then passes them through."""
+    optimizer = keras.optimizers.SGD()
+    keras_sum = type(optimizer)._all_reduce_sum_gradients
+    assert list(inspect.signature(keras_sum).parameters) == ["self", "grads_and_vars"]
+    _keras_private.sum_gradients_with(optimizer, list)
+    assert optimizer._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)]
+    _keras_private.sum_gradients_with(optimizer, None)
+    assert optimizer._all_reduce_sum_gradients.__func__ is keras_sum

@@ -94,12 +94,12 @@ from keras.src.trainers.trainer import model_supports_jit
 # MultiWorkerMirroredStrategy (keras-team/keras#20582), on the optimizer's own
 # state so that its checkpoints and iterations are Keras': `_iterations`,
 # `_accumulated_gradients`, `_get_variable_index`, `_filter_empty_gradients`,
-# `_clip_gradients`, `_use_weight_decay`. No public name reaches the
-# accumulators or Keras' clipping and weight-decay rules. (Listed here for
-# `tests/test_keras_private.py`; they are attributes, not names in `__all__`.)
+# `_clip_gradients`, `_use_weight_decay`; a worker's step sums its gradients before
+# Keras clips them and passes them through `_all_reduce_sum_gradients`. No public
+# name reaches these. (Listed for `tests/test_keras_private.py`, not in `__all__`.)
 OPTIMIZER_ATTRIBUTES = (
     "_iterations", "_accumulated_gradients", "_get_variable_index", "_filter_empty_gradients", "_clip_gradients",
-    "_use_weight_decay",
+    "_use_weight_decay", "_all_reduce_sum_gradients",
 )
 
 # Likewise attributes of Keras' LossScaleOptimizer (mixed precision) that
@@ -236,9 +236,7 @@ DESERIALISING = frozenset({"from_config", "functional_from_config", "deserialize
 def keras_is_deserialising(skip: int = 1) -> bool:
     """Whether Keras is rebuilding a model from its config (loading, cloning) below this call.
 
-    Keras has no flag for it (cloning sets no scope), so the caller's stack is
-    read for Keras' own functions, by name and file, from `skip` frames up
-    (1: the caller).
+    Keras has no flag for it: the stack is read for Keras' own functions from `skip` frames up (1: the caller).
     """
     frame = sys._getframe(skip)
     while frame is not None:
@@ -289,11 +287,7 @@ def symbolic_build(model, data_batch) -> None:
 
 
 def reinitialize(variable, value) -> None:
-    """Makes `variable` anew with `value`, under the current device scope (`Variable._initialize`).
-
-    `assign` keeps the variable where it was created; this is how Keras
-    itself creates a variable's storage.
-    """
+    """Makes `variable` anew with `value` in the current device scope, as Keras does (`assign` would not move it)."""
     variable._initialize(value)
 
 
@@ -306,10 +300,7 @@ def optimizer_strategy(optimizer, default):
 
 
 def learning_rate_or_schedule(optimizer):
-    """The optimizer's learning rate as given: a variable, a schedule or a callable (`_learning_rate`).
-
-    The public `learning_rate` property evaluates a schedule.
-    """
+    """The learning rate as given, a variable, schedule or callable (`_learning_rate`; the property evaluates it)."""
     return optimizer._learning_rate
 
 
@@ -341,6 +332,14 @@ def clip_gradients(optimizer, grads):
 def uses_weight_decay(optimizer, variable) -> bool:
     """Whether weight decay applies to `variable` (its exclusions honoured)."""
     return optimizer._use_weight_decay(variable)
+
+
+def sum_gradients_with(optimizer, function) -> None:
+    """Sets how `optimizer` sums gradients across replicas (`_all_reduce_sum_gradients`); None: as Keras does."""
+    if function is None:
+        del optimizer._all_reduce_sum_gradients
+    else:
+        optimizer._all_reduce_sum_gradients = function
 
 
 # --- Callbacks ------------------------------------------------------------------
@@ -391,7 +390,7 @@ __all__ = [
     "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
-    "optimizer_trainable_variables", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics",
+    "optimizer_trainable_variables", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics", "sum_gradients_with",
     "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",

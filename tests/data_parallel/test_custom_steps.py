@@ -29,6 +29,7 @@ from workers.custom_models import (
     GuideLowLevel,
     GuideSampleWeights,
     GuideTestStep,
+    Mixed,
     Rounded,
     distiller,
     distiller_compile,
@@ -192,6 +193,29 @@ def test_a_mixed_float16_template_gets_loss_scaling():
     reference.fit(**small, **fit)
     parallel.fit(**small, **fit)
     assert_same_weights(reference, template, atol=1e-3)
+
+
+def test_a_mixed_float16_step_scales_each_replicas_loss_by_its_share_before_the_tape():
+    # The first replica takes the 3 rows whose targets are large. Its gradient of its own mean is 8/3
+    # times its part of the batch's; scaled by the loss scale (2**15), that overflows float16
+    # (-98304) where one device's does not (-36864), and the step was skipped.
+    # `optimizer.scale_loss` multiplies each replica's loss by its share first.
+    def fit(parallel):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            inputs = keras.Input((1,))
+            template = Mixed(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(inputs))
+            model = kerasmulti.parallelize(template, gpus=DEVICES) if parallel else template
+            sgd_compile(model)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        model.fit(np.ones((8, 1), "float32"), y, batch_size=8, verbose=0)
+        return template
+
+    y = np.array([[1.5]] * 3 + [[0.0]] * 5, "float32")
+    reference, template = fit(False), fit(True)
+    assert int(reference.optimizer.iterations.numpy()) == int(template.optimizer.iterations.numpy()) == 1
+    assert_same_weights(reference, template, atol=1e-3)  # float16's rounding
 
 
 def test_callbacks_reach_the_templates_own_attributes():

@@ -98,6 +98,18 @@ class ExtraLoss(keras.Model):
         return loss + 0.1 * keras.ops.mean(keras.ops.square(y_pred))
 
 
+class Mixed(keras.Model):
+    """A step that scales its loss for mixed precision (LossScaleOptimizer)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(keras.ops.cast(self(x, training=True), "float32") - y))
+            scaled = self.optimizer.scale_loss(loss)
+        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
 class Rounded(keras.Model):
     """predict_step: post-processes each batch's predictions."""
 

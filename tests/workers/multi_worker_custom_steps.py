@@ -16,6 +16,11 @@ one row, one worker takes none. Phases, each trained 2 epochs (the models are
   the uncompiled reference.
 - counter: the guide's low-level step, with a step counter it assigns, and a
   statistic of its rows (the first replica's, on every worker).
+- logging: a tracker whose update_state takes no sample_weight, and a vector log.
+- listed_optimizers: a GAN keeping its two optimizers in a list.
+- clipnorm, global_clipnorm, keras_step_clipnorm: clipped gradients (a custom step's and
+  Keras' own), clipped as the global batch's.
+- mixed_float16: a step that scales its loss (LossScaleOptimizer).
 - compute_loss: compile()'s loss and metrics plus a penalty, Keras' own
   train_step on the template; then evaluate().
 - test_step: evaluate() through the guide's test_step.
@@ -38,6 +43,7 @@ from custom_models import (  # noqa: E402
     ExtraLoss,
     GuideLowLevel,
     GuideTestStep,
+    Mixed,
     Rounded,
     functional,
     gan_compile,
@@ -142,6 +148,67 @@ labelled = dict(x=x, y=rng.normal(size=(16, 1)).astype("float32"))
 train("counter", counter, sgd_compile, labelled)
 results["counter/steps_taken"] = counter.steps_taken.numpy()
 results["counter/last_mean"] = counter.last_mean.numpy()
+
+
+
+class Tracker(keras.metrics.Metric):
+    """A running mean whose update_state takes no sample_weight."""
+
+    def __init__(self, name):
+        super().__init__(name=name)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+        self.count = self.add_variable((), initializer="zeros", name="count")
+
+    def update_state(self, value):
+        self.total.assign_add(keras.ops.cast(value, "float32"))
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.total / self.count
+
+
+class Logging(GuideLowLevel):
+    """The guide's low-level step, also feeding a tracker without sample_weight and logging a vector."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.own = Tracker("own")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric, self.own]
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.own.update_state(keras.ops.mean(keras.ops.square(self(data[0]) - data[1])))
+        return {**logs, "own": self.own.result(), "column_means": keras.ops.mean(data[0], axis=0)}
+
+
+class ListedGAN(GAN):
+    """keras.io's GAN, keeping its optimizers in a list."""
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        keras.Model.compile(self)
+        self.pair, self.loss_fn = [d_optimizer, g_optimizer], loss_fn
+
+    d_optimizer = property(lambda self: self.pair[0])
+    g_optimizer = property(lambda self: self.pair[1])
+
+
+train("logging", functional(Logging, 11), sgd_compile, labelled)
+train("listed_optimizers", make_gan(ListedGAN, 12), gan_compile, pairs)
+# Keras clips the gradient, and checks it finite, as the global batch's.
+clipped_sgd = lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.05))  # noqa: E731
+train("clipnorm", vae(13), clipped_sgd, noise)
+clipped_gan = lambda m: m.compile(keras.optimizers.Adam(0.01, global_clipnorm=0.05), keras.optimizers.SGD(0.05), keras.losses.BinaryCrossentropy(from_logits=True))  # noqa: E731
+train("global_clipnorm", make_gan(GAN, 14), clipped_gan, pairs)
+keras.utils.set_random_seed(15)
+train("keras_step_clipnorm", mlp(1), lambda m: m.compile(optimizer=keras.optimizers.SGD(0.1, clipnorm=0.05), loss="mse"), labelled)
+keras.mixed_precision.set_global_policy("mixed_float16")
+try:
+    train("mixed_float16", functional(Mixed, 16), sgd_compile, labelled)
+finally:
+    keras.mixed_precision.set_global_policy("float32")
 
 model = train("compute_loss", functional(ExtraLoss, 6), standard_compile, labelled)
 evaluated = model.evaluate(**labelled, batch_size=5, verbose=0, return_dict=True)

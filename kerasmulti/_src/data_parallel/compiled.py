@@ -224,7 +224,7 @@ class CompiledReplicas:
         arguments = []
         for i, shard in enumerate(shards):
             x, y, sample_weight = pieces[i]
-            scalars = [tf.cast(value, tf.float32) for value in (i, shares[i], _valid(shard), shard.sliced)]
+            scalars = [tf.cast(value, tf.float32) for value in (i, shares[i], _split.counts(shard), shard.sliced)]
             arguments.append((read, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 
@@ -267,8 +267,7 @@ class CompiledReplicas:
         values = self._reads.unpack(read)
         count = len(self._trainable)
         trainable, state = values[:count], values[count:]
-        # Replica i's seed generators start from the shared state with i added to the seed.
-        state = [_seeded(v, replica) if seed else v for v, seed in zip(state, self._is_seed)]
+        state = [_replicas.seed_of_replica(v, replica) if seed else v for v, seed in zip(state, self._is_seed)]
         mapping = list(zip(template.trainable_variables, trainable))
         mapping += list(zip(template.non_trainable_variables, state))
         local = _Totals(rows, batch, totals)
@@ -302,14 +301,6 @@ class CompiledReplicas:
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
             "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }
-
-
-def _seeded(state, replica):
-    return state + tf.cast(tf.stack([replica, 0]), state.dtype)
-
-
-def _valid(shard):
-    return shard.counted > 0 if not isinstance(shard.counted, int) else float(shard.counted > 0)
 
 
 def _with_masks(y_pred, masks):

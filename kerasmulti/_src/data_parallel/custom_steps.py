@@ -98,7 +98,24 @@ def scaled(gradient, share):
     return tf.math.multiply_no_nan(gradient, tf.cast(share, gradient.dtype))
 
 
-def _optimizer_apply(optimizer, original, packed: bool):
+def scale_loss_by_share(optimizer, original, share_of_replica, scaled_already: set):
+    """`optimizer.scale_loss`, also multiplying by the replica's share; its gradients then are.
+
+    A replica's gradient of its own mean is 1 / share times its part of the
+    batch's: under mixed precision it would overflow where one device's does
+    not. `scaled_already` notes (optimizer, replica) for `apply`.
+    """
+
+    def scale_loss(loss):
+        if _updating_for_all.inside():
+            return original(loss)
+        scaled_already.add((id(optimizer), _replicas.replica_id()))
+        return tf.math.multiply_no_nan(original(loss), tf.cast(share_of_replica(), loss.dtype))
+
+    return scale_loss
+
+
+def _optimizer_apply(optimizer, original, packed: bool, scaled_already: set):
     updates = {}  # the packed updates (`packed_apply`) of this step's trace, by the variables they apply to
 
     def apply(grads, trainable_variables=None):
@@ -106,7 +123,8 @@ def _optimizer_apply(optimizer, original, packed: bool):
         if _updating_for_all.inside():
             return original(grads, trainable_variables)
         meeting = _replicas.rendezvous()
-        share = _run.shares[_replicas.replica_id()]
+        by_scale_loss = (id(optimizer), _replicas.replica_id()) in scaled_already  # `scale_loss_by_share`
+        share = tf.constant(1.0) if by_scale_loss else _share()
         grads = list(grads)
         if packed and PackedApply.usable(optimizer, trainable_variables, grads):
             key = tuple(id(v) for v in trainable_variables)
@@ -130,6 +148,10 @@ def _optimizer_apply(optimizer, original, packed: bool):
     return apply
 
 
+def _share():
+    return _run.shares[_replicas.replica_id()]
+
+
 def _merged_leaf(values, name, shares, shards):
     """One update argument from every replica's (see the module docstring)."""
     first = values[0]
@@ -137,7 +159,7 @@ def _merged_leaf(values, name, shares, shards):
         return first
     if isinstance(first, (int, float)) or getattr(first, "shape", None) is not None and len(first.shape) == 0:
         # Keras passes a sub-batch's row count as the weight of its mean.
-        weights = [_counts(s) for s in shards] if name == "sample_weight" else shares
+        weights = [_split.counts(s) for s in shards] if name == "sample_weight" else shares
         total = _weighted_sum(weights, values)
         dtype = getattr(first, "dtype", None)
         return total if dtype is None else tf.cast(total, dtype)
@@ -150,11 +172,6 @@ def _merged_leaf(values, name, shares, shards):
 def _weighted_sum(weights, values):
     """Sum of weight x value over the replicas, in float32."""
     return tf.add_n([tf.cast(w, tf.float32) * tf.cast(v, tf.float32) for w, v in zip(weights, values)])
-
-
-def _counts(shard):
-    """1 if the shard's rows count, 0 for an idle replica's borrowed row."""
-    return float(shard.counted > 0) if isinstance(shard.counted, int) else tf.cast(shard.counted > 0, tf.float32)
 
 
 def _merged_arguments(signature, gathered, shares, shards) -> inspect.BoundArguments:
@@ -209,14 +226,24 @@ def _first_replica_assign(variable, original):
 
 
 def optimizers(template) -> list:
+    """The optimizers a template's steps may apply: its own, and those it keeps (a GAN's, in a list too)."""
     found = [template.optimizer] if getattr(template, "optimizer", None) is not None else []
     for value in vars(template).values():
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not o for o in found):
-            found.append(value)
+        for item in held(value):
+            if isinstance(item, keras.optimizers.Optimizer) and all(item is not o for o in found):
+                found.append(item)
     return found
 
 
+def held(value) -> list:
+    """The items of an attribute's value: a list's, a tuple's, a dict's values, or the value itself."""
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def metrics(template) -> list:
+    """The metrics a template's steps may update: its `metrics` and its layers' own."""
     found = []
     for metric in list(template.metrics) + [m for layer in keras_private.flatten_layers(template)
                                              for m in keras_private.own_metrics(layer)]:
@@ -248,7 +275,10 @@ def patched(pairs):
 
 def _replica_context(template, compiled: bool):
     pairs = _compiled_calls.calls(template) if compiled else []
-    pairs += [(o, "apply", _optimizer_apply(o, o.apply, compiled)) for o in optimizers(template)]
+    scaled_already = set()
+    for optimizer in optimizers(template):
+        pairs += [(optimizer, "apply", _optimizer_apply(optimizer, optimizer.apply, compiled, scaled_already)),
+                  (optimizer, "scale_loss", scale_loss_by_share(optimizer, optimizer.scale_loss, _share, scaled_already))]
     pairs += [(m, "update_state", _metric_update(m, m.update_state)) for m in metrics(template)]
     for variable in assigned_variables(template):
         pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))

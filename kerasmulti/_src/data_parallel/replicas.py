@@ -258,6 +258,14 @@ def _run(devices: list[str], fn: Callable, synchronized: bool, variables) -> lis
     return results
 
 
+def seed_of_replica(seed, replica):
+    """A seed generator's state (or a seed drawn from it) for replica `replica`: its index added to the seed.
+
+    The replicas share one generator's state; from it, each draws a stream of its own.
+    """
+    return seed + tf.cast(tf.stack([replica, 0]), seed.dtype)
+
+
 def cross_replica_sum(value, by_rows=False):
     """`value` summed over the replicas of a synchronised run (not differentiated).
 

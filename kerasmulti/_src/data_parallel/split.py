@@ -27,6 +27,11 @@ class Shard(NamedTuple):
     counted: Any  # rows that count; 0 for an idle replica
 
 
+def counts(shard: Shard):
+    """1 if the shard's rows count, 0 for an idle replica's borrowed row (a float, or a float32 tensor)."""
+    return float(shard.counted > 0) if isinstance(shard.counted, int) else tf.cast(shard.counted > 0, tf.float32)
+
+
 def _first_dims(structure) -> list:
     dims = []
     for t in tree.flatten(structure):

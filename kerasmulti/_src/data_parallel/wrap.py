@@ -96,7 +96,7 @@ def check_model(model, caller: str = "parallelize()") -> None:
         return
     if not model.built:
         raise ValueError(
-            f"{caller} needs a built model. Call model.build(input_shape) or call it on one batch. "
+            f"{caller} needs a built model. Call it on one batch (a GAN: each model it holds) or model.build(input_shape). "
             f"Received: model={model.name!r} with built=False"
         )
     _build_layers(model, caller)

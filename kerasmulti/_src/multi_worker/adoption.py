@@ -41,11 +41,23 @@ def optimizer_in_scope(optimizer, strategy):
 
 
 def template_optimizers_in_scope(template, strategy) -> None:
-    """Re-creates in `strategy`'s scope the optimizers a template keeps (a GAN's two), made outside it."""
+    """Re-creates in `strategy`'s scope the optimizers a template keeps (a GAN's two, in a list too), made outside it."""
     adopted = {}
+
+    def in_scope(value):
+        if not isinstance(value, keras.optimizers.Optimizer):
+            return value
+        if id(value) not in adopted:
+            adopted[id(value)] = optimizer_in_scope(value, strategy)
+        return adopted[id(value)]
+
     for name, value in list(vars(template).items()):
-        if isinstance(value, keras.optimizers.Optimizer):
-            if id(value) not in adopted:
-                adopted[id(value)] = optimizer_in_scope(value, strategy)
-            if adopted[id(value)] is not value:
-                setattr(template, name, adopted[id(value)])
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else []
+        changed = {key: in_scope(item) for key, item in items if in_scope(item) is not item}
+        if isinstance(value, tuple) and changed:
+            setattr(template, name, tuple(changed.get(i, item) for i, item in enumerate(value)))
+        elif isinstance(value, (dict, list)):
+            for key, item in changed.items():
+                value[key] = item
+        elif in_scope(value) is not value:
+            setattr(template, name, in_scope(value))

@@ -22,7 +22,7 @@ around what breaks Keras 3 `fit` there:
   the whole batch; logged losses are weighted to match.
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device; each
-  replica folds its index into its random seeds (Dropout's), which the
+  replica adds its index to its random seeds (Dropout's), which the
   strategy would keep equal on every replica (`worker_steps.replica_seeds`).
 - A template with steps of its own (a GAN, a VAE) runs them on every
   replica, with one process's numbers (`worker_steps.py`).
@@ -212,8 +212,8 @@ class WorkerModel(ParallelModel):
         if trainable:
             if _accumulation.accumulates(self.optimizer):
                 _accumulation.apply(self.optimizer, gradients, trainable)  # Keras' crashes here
-            else:
-                self.optimizer.apply_gradients(zip(gradients, trainable))
+            else:  # clipped and checked finite as the global batch's (`apply_summed`)
+                _worker_steps.apply_summed(self.optimizer, self.optimizer.apply, gradients, trainable)
         if self._timing is not None:
             self._timing.record(started, computed, self._updated_weights(), _worker_steps.replica_rows(x))
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))

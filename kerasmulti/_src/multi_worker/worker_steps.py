@@ -12,28 +12,32 @@ these points, for the time of the step:
   a hand-written mean does not. Neither is scaled here: each replica's loss
   is the mean over its own rows, as on one process's replicas.
 - `optimizer.apply` (and `apply_gradients`): each replica's gradients are
-  multiplied by its share of the global batch's rows, then Keras' optimizer
-  sums them across the replicas and applies the sum once. An optimizer built
+  multiplied by its share of the global batch's rows (by `scale_loss`, if the
+  step calls it: mixed precision's scaled loss) and summed across the
+  replicas; Keras' optimizer then clips the sum, checks it finite (mixed
+  precision) and applies it, as one process does (`apply_summed`). An optimizer built
   by its first `apply` (a GAN's) builds in cross-replica context, where the
   strategy can create its variables.
 - `metric.update_state` given scalars only (a tracker given a mean loss):
-  weighted by the replica's share of the rows, so that the metric's on-read
-  sums add the batch's mean, once a step, as on one device. Tensors with a row per batch row add up as they are.
+  the replicas' values are merged as in one process (averaged by the shares;
+  a scalar `sample_weight`, Keras' row count, summed), and the first replica
+  makes the one update. Tensors with a row per batch row add up as they are.
   `metric.result` reads the state summed over the replicas, as one device's
   metric would hold it: a step's logs are the batch's, on every replica.
 - BatchNormalization is synchronised across the replicas; the gradient of
   its statistics weighs each replica's upstream by that replica's share, as
   `sync_batchnorm.py` does in one process.
-- the logs: scalars times share x replicas, since Keras averages each log
-  across the replicas.
+- the logs: Keras averages each across the replicas, so a scalar is
+  weighted by the shares and any other log is the first replica's, as in one
+  process.
 
 A variable the step assigns itself (a step counter, a statistic of its rows)
 takes the first replica's value on every replica's copy, as in one process
 (the strategy would let each copy keep its own replica's). Random draws (a GAN's latent vectors, Dropout)
 come from the template's seed generators, whose copies are equal on every
 replica, so that with `tf.distribute` every replica draws the same numbers;
-here each replica folds its index into the seed (`replica_seeds`), in Keras'
-own steps too. An unseeded draw (`keras.random.normal(shape)`) would create
+here each replica adds its index to the seed (`replica_seeds`, as the
+compiled step's replicas do), in Keras' own steps too. An unseeded draw (`keras.random.normal(shape)`) would create
 Keras' global seed generator inside the step, which the strategy cannot do:
 it is refused, saying to pass a generator the model owns.
 """
@@ -50,6 +54,7 @@ from keras import tree
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
+from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
 from kerasmulti._src.multi_worker import accumulation as _accumulation
@@ -76,19 +81,27 @@ def run(template, step: str, data, compiled: bool = False):
     share, _, _ = share_of_batch(replica_rows(data))
     with compiled_calls(template, compiled), _replica_context(template, share), _unseeded_draws_explained(template, step):
         logs = getattr(template, step)(data)
-    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-    return tree.map_structure(lambda value: _weighted_log(value, share * replicas), logs)
+    context = tf.distribute.get_replica_context()
+    first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
+    return tree.map_structure(lambda value: _weighted_log(value, share, first, context.num_replicas_in_sync), logs)
 
 
-def _weighted_log(value, weight):
-    if not isinstance(value, (tf.Tensor, tf.Variable)) or len(value.shape) != 0 or not value.dtype.is_floating:
+def _weighted_log(value, share, first, replicas):
+    """A log times replicas x its weight, Keras averaging it: a scalar by the share, others the first replica's."""
+    if not isinstance(value, (tf.Tensor, tf.Variable)) or not value.dtype.is_floating:
         return value
-    return tf.math.multiply_no_nan(value, tf.cast(weight, value.dtype))
+    weight = share if len(value.shape) == 0 else first
+    return tf.math.multiply_no_nan(value, tf.cast(weight * replicas, value.dtype))
 
 
 @contextlib.contextmanager
 def _replica_context(template, share):
-    pairs = [(o, "apply", _optimizer_apply(o, o.apply, share)) for o in _custom_steps.optimizers(template)]
+    scaled_already = set()  # (optimizer, replica) whose `scale_loss` multiplied the loss by the share
+    pairs = []
+    for optimizer in _custom_steps.optimizers(template):
+        scale_loss = _custom_steps.scale_loss_by_share(optimizer, optimizer.scale_loss, lambda: share, scaled_already)
+        pairs += [(optimizer, "apply", _optimizer_apply(optimizer, optimizer.apply, share, scaled_already)),
+                  (optimizer, "scale_loss", scale_loss)]
     for metric in _custom_steps.metrics(template):
         pairs += [(metric, "update_state", _metric_update(metric, metric.update_state, share)),
                   (metric, "result", _cluster_result(metric, metric.result))]
@@ -109,18 +122,44 @@ def compiled_calls(template, compiled: bool):
     return _custom_steps.patched(_compiled_calls.calls(template) if compiled else [])
 
 
-def _optimizer_apply(optimizer, original, share):
+def _optimizer_apply(optimizer, original, share, scaled_already: set):
     def apply(grads, trainable_variables=None):
         _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
-        grads = [_custom_steps.scaled(g, share) for g in grads]
+        if (id(optimizer), _replicas.replica_id()) not in scaled_already:
+            grads = [_custom_steps.scaled(g, share) for g in grads]
         variables = list(trainable_variables) if trainable_variables is not None else None
         if not optimizer.built:
             tf.distribute.get_replica_context().merge_call(lambda _: _build(optimizer, variables))
         if _accumulation.accumulates(optimizer):
             return _accumulation.apply(optimizer, grads, variables)
-        return original(grads, variables)
+        return apply_summed(optimizer, original, grads, variables)
 
     return apply
+
+
+def apply_summed(optimizer, apply, grads, variables):
+    """`apply(grads, variables)` (of `optimizer`) with the replicas' gradients summed first.
+
+    Keras' optimizer clips the gradient, and under mixed precision checks it
+    finite, before it sums it across the replicas: each replica would clip
+    its own part, and a part that overflows on one worker only would send
+    that worker alone into the update's all-reduce (a hang). Summed first,
+    every replica holds the global batch's gradient, as one process does,
+    and the optimizer passes it through instead of summing it again.
+    """
+    present = [i for i, g in enumerate(grads) if g is not None]
+    summed = tf.distribute.get_replica_context().all_reduce("sum", [grads[i] for i in present]) if present else []
+    grads = list(grads)
+    for i, g in zip(present, summed):
+        grads[i] = g
+    optimizers = [optimizer] + ([optimizer.inner_optimizer] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else [])
+    for each in optimizers:
+        keras_private.sum_gradients_with(each, list)
+    try:
+        return apply(grads, variables)
+    finally:
+        for each in optimizers:
+            keras_private.sum_gradients_with(each, None)
 
 
 def _first_replica_assign(variable, original):
@@ -145,23 +184,27 @@ def _build(optimizer, variables) -> None:
 
 def _metric_update(metric, original, share):
     signature = inspect.signature(original)
-    weighed = "sample_weight" in signature.parameters
 
     def update_state(*args, **kwargs):
         _compiled_calls.refuse(f"updates metric '{metric.name}'")
         bound = signature.bind(*args, **kwargs)
-        values = {name: v for name, v in bound.arguments.items() if name != "sample_weight"}
-        if not weighed or not all(map(_scalar, values.values())):
-            return original(*args, **kwargs)
-        # A scalar (a mean over this replica's rows) counts by the replica's share, or by the
-        # rows where the step passes them (Keras' own steps); a replica without rows may hold a
-        # mean over none (NaN).
-        for name, value in values.items():
+        given = {name: value for name, value in bound.arguments.items() if value is not None}
+        if not given or not all(map(_scalar, given.values())):
+            return original(*args, **kwargs)  # a row per batch row: the replicas' rows add up
+        # Scalars only (a tracker given a mean loss): merged as one process merges them
+        # (`custom_steps`), and the update made once, by the first replica.
+        context = tf.distribute.get_replica_context()
+        for name, value in given.items():
+            weight = tf.cast(share > 0, tf.float32) if name == "sample_weight" else share  # Keras passes rows
             value = tf.convert_to_tensor(value)
-            bound.arguments[name] = tf.where(share > 0, value, tf.zeros_like(value))
-        if bound.arguments.get("sample_weight") is None:
-            bound.arguments["sample_weight"] = share
-        return original(*bound.args, **bound.kwargs)
+            part = tf.where(weight > 0, tf.cast(value, tf.float32) * weight, 0.0)  # a mean over no rows: NaN
+            bound.arguments[name] = tf.cast(context.all_reduce("sum", part), value.dtype)
+
+        def update():
+            original(*bound.args, **bound.kwargs)
+            return tf.constant(True)
+
+        tf.cond(tf.equal(context.replica_id_in_sync_group, 0), update, lambda: tf.constant(False))
 
     return update_state
 
@@ -254,9 +297,7 @@ def replica_seeds(template):
 
 def _replica_next(original, replica):
     def next(ordered=True):
-        seed = original(ordered)
-        folded = tf.cast(tf.random.experimental.stateless_fold_in(seed, replica), seed.dtype)
-        return tf.where(replica > 0, folded, seed)  # the first replica draws as one device
+        return _replicas.seed_of_replica(original(ordered), replica)  # as the compiled step's replicas
 
     return next
 
