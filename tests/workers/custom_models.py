@@ -164,6 +164,17 @@ class GAN(keras.Model):
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
 
 
+class ListedGAN(GAN):
+    """keras.io's GAN, keeping its optimizers in a list."""
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        keras.Model.compile(self)
+        self.pair, self.loss_fn = [d_optimizer, g_optimizer], loss_fn
+
+    d_optimizer = property(lambda self: self.pair[0])
+    g_optimizer = property(lambda self: self.pair[1])
+
+
 class WGANGP(GAN):
     """keras.io's WGAN-GP: a gradient penalty through a nested tape (interpolation weights from the data)."""
 

@@ -43,6 +43,7 @@ from custom_models import (  # noqa: E402
     ExtraLoss,
     GuideLowLevel,
     GuideTestStep,
+    ListedGAN,
     Mixed,
     Rounded,
     functional,
@@ -182,17 +183,6 @@ class Logging(GuideLowLevel):
         logs = super().train_step(data)
         self.own.update_state(keras.ops.mean(keras.ops.square(self(data[0]) - data[1])))
         return {**logs, "own": self.own.result(), "column_means": keras.ops.mean(data[0], axis=0)}
-
-
-class ListedGAN(GAN):
-    """keras.io's GAN, keeping its optimizers in a list."""
-
-    def compile(self, d_optimizer, g_optimizer, loss_fn):
-        keras.Model.compile(self)
-        self.pair, self.loss_fn = [d_optimizer, g_optimizer], loss_fn
-
-    d_optimizer = property(lambda self: self.pair[0])
-    g_optimizer = property(lambda self: self.pair[1])
 
 
 train("logging", functional(Logging, 11), sgd_compile, labelled)
