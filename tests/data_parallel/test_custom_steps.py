@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from cases import assert_same_logs, assert_same_weights
+from cases import assert_same_logs, assert_same_weights, worker_model
 from workers.custom_models import (
     FEATURES,
     GAN,
@@ -107,6 +107,21 @@ def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size, jit_com
         assert int(template.steps_taken.numpy()) == int(reference.steps_taken.numpy()) == 2 * -(-ROWS // batch_size)
     if case.startswith(("GAN", "WGAN-GP")):
         assert int(template.d_optimizer.iterations.numpy()) == int(reference.d_optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss"])
+def test_a_workers_several_replicas_run_the_custom_steps_with_one_devices_numbers(case):
+    # A worker's GPUs: the strategy runs its replicas on threads, each through `worker_steps`.
+    build, compile_, kind = CASES[case]
+    data = _case_data(kind)
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    reference, template = build(7), build(7)
+    compile_(reference)
+    expected = reference.fit(**data, **fit).history
+    parallel = worker_model(template)
+    compile_(parallel)
+    assert_same_logs(expected, parallel.fit(**data, **fit).history)
+    assert_same_weights(reference, template)
 
 
 def test_a_custom_test_step_evaluates_with_one_devices_numbers():

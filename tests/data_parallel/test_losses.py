@@ -16,7 +16,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from cases import assert_same_logs, assert_same_weights, worker_model
+from cases import assert_same_logs, assert_same_weights
 
 import kerasmulti
 
@@ -244,19 +244,6 @@ def test_the_padding_matters_here():
     for model in (masked, unmasked):
         model.compile(loss="mse")
     assert masked.evaluate(x, y, verbose=0) < 10 < 100 < unmasked.evaluate(x, y, verbose=0)
-
-
-def test_across_workers_a_template_with_its_own_loss_step_is_warned_about():
-    # In one process the template's own steps run (test_custom_steps.py); across workers not yet.
-    class OwnLoss(keras.Model):
-        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-            return keras.ops.mean(keras.ops.abs(y - y_pred))
-
-    inputs = keras.Input((4,))
-    template = OwnLoss(inputs, keras.layers.Dense(1)(inputs))
-    parallel = worker_model(template)
-    with pytest.warns(UserWarning, match=r"does not run compute_loss of the template.*Received: overrides=\['compute_loss'\]"):
-        parallel.compile(optimizer="sgd", loss="mse")
 
 
 def test_parallel_predict_warns_that_it_does_not_run_the_templates_predict_step():

@@ -23,7 +23,7 @@ around what breaks Keras 3 `fit` there:
 - BatchNormalization is synchronised across replicas while the steps trace,
   so its statistics are those of the global batch, as on one device; each
   replica adds its index to its random seeds (Dropout's), which the
-  strategy would keep equal on every replica (`worker_steps.replica_seeds`).
+  strategy would keep equal on every replica (`worker_steps.keras_step`).
 - A template with steps of its own (a GAN, a VAE) runs them on every
   replica, with one process's numbers (`worker_steps.py`).
 - Keras' gradient accumulation merges inside a `cond`, which crashes under
@@ -202,8 +202,7 @@ class WorkerModel(ParallelModel):
             return _with_leading_axis(logs)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         trainable = self.trainable_weights
-        with tf.GradientTape() as tape, _worker_steps.synchronized_batchnorm(self._batchnorm), \
-                _worker_steps.replica_seeds(self._template):
+        with tf.GradientTape() as tape, _worker_steps.keras_step(self._template, self._batchnorm):
             y_pred = self(x, training=True)
             loss = self._replica_loss(x, y, y_pred, sample_weight, training=True)
             scaled = self.optimizer.scale_loss(loss)
@@ -232,7 +231,7 @@ class WorkerModel(ParallelModel):
 
     def predict_step(self, data):
         if self._custom is not None and "predict_step" in self._custom.overridden:
-            with _worker_steps.replica_seeds(self._template), _worker_steps.compiled_calls(self._template, self._custom.compiles):
+            with _worker_steps.predicting(self._template, self._custom.compiles):
                 return self._template.predict_step(data)
         return keras.Model.predict_step(self, data)
 

@@ -36,7 +36,7 @@ takes the first replica's value on every replica's copy, as in one process
 (the strategy would let each copy keep its own replica's). Random draws (a GAN's latent vectors, Dropout)
 come from the template's seed generators, whose copies are equal on every
 replica, so that with `tf.distribute` every replica draws the same numbers;
-here each replica adds its index to the seed (`replica_seeds`, as the
+here each replica adds its index to the seed (as the
 compiled step's replicas do), in Keras' own steps too. An unseeded draw (`keras.random.normal(shape)`) would create
 Keras' global seed generator inside the step, which the strategy cannot do:
 it is refused, saying to pass a generator the model owns.
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 
 import keras
 import tensorflow as tf
@@ -79,11 +80,64 @@ def run(template, step: str, data, compiled: bool = False):
     With `compiled`, the step's model calls run as XLA programs (`compiled_calls.py`).
     """
     share, _, _ = share_of_batch(replica_rows(data))
-    with compiled_calls(template, compiled), _replica_context(template, share), _unseeded_draws_explained(template, step):
-        logs = getattr(template, step)(data)
+    _replica.share = share
     context = tf.distribute.get_replica_context()
+    meets = _share_weighted_all_reduce(context.all_reduce, share)  # this replica's own context
+    with _for_the_worker(("step", id(template)), lambda: _patches(template, compiled)), \
+            _custom_steps.patched([(context, "all_reduce", meets)]), _unseeded_draws_explained(template, step):
+        logs = getattr(template, step)(data)
     first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
     return tree.map_structure(lambda value: _weighted_log(value, share, first, context.num_replicas_in_sync), logs)
+
+
+def keras_step(template, batchnorm: list):
+    """Inside Keras' own step on a replica: `batchnorm` synchronised, the seeds the replica's (`keras_step`)."""
+    return _for_the_worker(("keras step", id(template)), lambda: _entered(_synchronized_batchnorm(batchnorm), _replica_seeds(template)))
+
+
+def predicting(template, compiled: bool):
+    """Inside the template's own `predict_step` on a replica: its seeds, and with `compiled` its model calls compiled."""
+    return _for_the_worker(("predict", id(template)), lambda: _entered(_replica_seeds(template), _compiled_calls_of(template, compiled)))
+
+
+_replica = threading.local()  # this replica thread's share of the batch
+_installing = threading.Lock()
+_installations: dict = {}  # key: [replicas inside, the open context]
+
+
+@contextlib.contextmanager
+def _for_the_worker(key, make):
+    """Inside: the context `make()` opens, once for all the worker's replicas (its GPUs', each on a thread).
+
+    The first replica in enters it and the last out leaves it: the patches it sets
+    are on objects every replica shares, so they must not be set once a replica.
+    """
+    with _installing:
+        entry = _installations.setdefault(key, [0, None])
+        if entry[0] == 0:
+            entry[1] = make()
+            entry[1].__enter__()
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _installing:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _installations[key]
+                entry[1].__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _entered(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def _share():
+    return _replica.share
 
 
 def _weighted_log(value, share, first, replicas):
@@ -95,38 +149,37 @@ def _weighted_log(value, share, first, replicas):
 
 
 @contextlib.contextmanager
-def _replica_context(template, share):
+def _patches(template, compiled: bool):
+    """The points of a step where the replicas meet (see the module docstring), for every replica of the worker."""
     scaled_already = set()  # (optimizer, replica) whose `scale_loss` multiplied the loss by the share
     pairs = []
     for optimizer in _custom_steps.optimizers(template):
-        scale_loss = _custom_steps.scale_loss_by_share(optimizer, optimizer.scale_loss, lambda: share, scaled_already)
-        pairs += [(optimizer, "apply", _optimizer_apply(optimizer, optimizer.apply, share, scaled_already)),
+        scale_loss = _custom_steps.scale_loss_by_share(optimizer, optimizer.scale_loss, _share, scaled_already)
+        pairs += [(optimizer, "apply", _optimizer_apply(optimizer, optimizer.apply, scaled_already)),
                   (optimizer, "scale_loss", scale_loss)]
     for metric in _custom_steps.metrics(template):
-        pairs += [(metric, "update_state", _metric_update(metric, metric.update_state, share)),
+        pairs += [(metric, "update_state", _metric_update(metric, metric.update_state)),
                   (metric, "result", _cluster_result(metric, metric.result))]
     normalising = {id(v) for layer in batchnorm_layers(template) for v in layer.variables}  # synchronised
     for variable in _custom_steps.assigned_variables(template):
         if not variable.trainable and id(variable) not in normalising:
             pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
                       for name in ("assign", "assign_add", "assign_sub")]
-    context = tf.distribute.get_replica_context()
-    pairs.append((context, "all_reduce", _share_weighted_all_reduce(context.all_reduce, share)))
-    with _custom_steps.patched(pairs), _unscaled_losses(), synchronized_batchnorm(batchnorm_layers(template)), \
-            replica_seeds(template):
+    with _compiled_calls_of(template, compiled), _custom_steps.patched(pairs), _unscaled_losses(), \
+            _synchronized_batchnorm(batchnorm_layers(template)), _replica_seeds(template):
         yield
 
 
-def compiled_calls(template, compiled: bool):
+def _compiled_calls_of(template, compiled: bool):
     """Inside: with `compiled`, `template`'s model calls run as XLA programs on this replica."""
     return _custom_steps.patched(_compiled_calls.calls(template) if compiled else [])
 
 
-def _optimizer_apply(optimizer, original, share, scaled_already: set):
+def _optimizer_apply(optimizer, original, scaled_already: set):
     def apply(grads, trainable_variables=None):
         _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
         if (id(optimizer), _replicas.replica_id()) not in scaled_already:
-            grads = [_custom_steps.scaled(g, share) for g in grads]
+            grads = [_custom_steps.scaled(g, _share()) for g in grads]
         variables = list(trainable_variables) if trainable_variables is not None else None
         if not optimizer.built:
             tf.distribute.get_replica_context().merge_call(lambda _: _build(optimizer, variables))
@@ -153,13 +206,20 @@ def apply_summed(optimizer, apply, grads, variables):
     for i, g in zip(present, summed):
         grads[i] = g
     optimizers = [optimizer] + ([optimizer.inner_optimizer] if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else [])
-    for each in optimizers:
-        keras_private.sum_gradients_with(each, list)
-    try:
+    with _for_the_worker(("summed", id(optimizer)), lambda: _sums_passed_through(optimizers)):
         return apply(grads, variables)
+
+
+@contextlib.contextmanager
+def _sums_passed_through(optimizers):
+    """Inside: `optimizers` pass gradients through instead of summing them across the replicas."""
+    for optimizer in optimizers:
+        keras_private.sum_gradients_with(optimizer, list)
+    try:
+        yield
     finally:
-        for each in optimizers:
-            keras_private.sum_gradients_with(each, None)
+        for optimizer in optimizers:
+            keras_private.sum_gradients_with(optimizer, None)
 
 
 def _first_replica_assign(variable, original):
@@ -176,13 +236,13 @@ def _first_replica_assign(variable, original):
 
 
 def _build(optimizer, variables) -> None:
-    """Builds `optimizer` for `variables` as its first `apply` would."""
-    with keras.name_scope(optimizer.name, caller=optimizer):
+    """Builds `optimizer` for `variables` as its first `apply` would, its variables made outside the step's graph."""
+    with tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
         optimizer.build(variables)
     optimizer.built = True
 
 
-def _metric_update(metric, original, share):
+def _metric_update(metric, original):
     signature = inspect.signature(original)
 
     def update_state(*args, **kwargs):
@@ -193,7 +253,7 @@ def _metric_update(metric, original, share):
             return original(*args, **kwargs)  # a row per batch row: the replicas' rows add up
         # Scalars only (a tracker given a mean loss): merged as one process merges them
         # (`custom_steps`), and the update made once, by the first replica.
-        context = tf.distribute.get_replica_context()
+        context, share = tf.distribute.get_replica_context(), _share()
         for name, value in given.items():
             weight = tf.cast(share > 0, tf.float32) if name == "sample_weight" else share  # Keras passes rows
             value = tf.convert_to_tensor(value)
@@ -274,7 +334,7 @@ def _unchanged(value):
 
 
 @contextlib.contextmanager
-def synchronized_batchnorm(layers):
+def _synchronized_batchnorm(layers):
     """Inside: `layers` (BatchNormalization) compute their statistics over every replica's rows."""
     previous = [layer.synchronized for layer in layers]
     for layer in layers:
@@ -287,16 +347,16 @@ def synchronized_batchnorm(layers):
 
 
 @contextlib.contextmanager
-def replica_seeds(template):
+def _replica_seeds(template):
     """Inside: the template's seed generators give each replica a seed of its own (see the module docstring)."""
-    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
     generators = [g for layer in keras_private.flatten_layers(template) for g in keras_private.seed_generators(layer)]
-    with _custom_steps.patched([(g, "next", _replica_next(g.next, replica)) for g in generators]):
+    with _custom_steps.patched([(g, "next", _replica_next(g.next)) for g in generators]):
         yield
 
 
-def _replica_next(original, replica):
+def _replica_next(original):
     def next(ordered=True):
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         return _replicas.seed_of_replica(original(ordered), replica)  # as the compiled step's replicas
 
     return next
