@@ -237,7 +237,7 @@ class WorkerModel(ParallelModel):
 
     def _replica_loss(self, x, y, y_pred, sample_weight, training):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""
-        share, rows, total = _worker_steps.share_of_batch(_worker_steps.replica_rows(x))
+        share, rows, total = _worker_steps.share_of_batch(x)
         with self._part(share, rows, total):
             loss = keras_private.compute_loss(self, x, y, y_pred, sample_weight, training)
         # part / share, weighted by this replica's rows: the mean across

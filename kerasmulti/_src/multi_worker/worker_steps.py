@@ -67,9 +67,9 @@ def replica_rows(data):
     return tf.shape(first)[0]
 
 
-def share_of_batch(rows):
+def share_of_batch(data):
     """This replica's share of the global batch's rows, its rows and the batch's (float32)."""
-    rows = tf.cast(rows, "float32")
+    rows = tf.cast(replica_rows(data), "float32")
     total = tf.distribute.get_replica_context().all_reduce("sum", rows)
     return tf.math.divide_no_nan(rows, total), rows, total
 
@@ -79,7 +79,7 @@ def run(template, step: str, data, compiled: bool = False):
 
     With `compiled`, the step's model calls run as XLA programs (`compiled_calls.py`).
     """
-    share, _, _ = share_of_batch(replica_rows(data))
+    share, _, _ = share_of_batch(data)
     _replica.share = share
     context = tf.distribute.get_replica_context()
     meets = _share_weighted_all_reduce(context.all_reduce, share)  # this replica's own context
@@ -91,7 +91,7 @@ def run(template, step: str, data, compiled: bool = False):
 
 
 def keras_step(template, batchnorm: list):
-    """Inside Keras' own step on a replica: `batchnorm` synchronised, the seeds the replica's (`keras_step`)."""
+    """Inside Keras' own step on a replica: `batchnorm` synchronised, the seeds the replica's (`_replica_seeds`)."""
     return _for_the_worker(("keras step", id(template)), lambda: _entered(_synchronized_batchnorm(batchnorm), _replica_seeds(template)))
 
 
@@ -172,7 +172,7 @@ def _patches(template, compiled: bool):
 
 def _compiled_calls_of(template, compiled: bool):
     """Inside: with `compiled`, `template`'s model calls run as XLA programs on this replica."""
-    return _custom_steps.patched(_compiled_calls.calls(template) if compiled else [])
+    return _compiled_calls.compiled(_compiled_calls.units(template) if compiled else [])
 
 
 def _optimizer_apply(optimizer, original, scaled_already: set):
