@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import kerasmulti
 from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.multi_worker import tf_config as _tf_config
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 
@@ -75,7 +76,7 @@ def test_a_cluster_nobody_asked_to_join_is_warned_about_and_trains_here(monkeypa
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.warns(UserWarning, match=r"did not join the TF_CONFIG cluster.*kerasmulti.initialize\(\).*Received: TF_CONFIG task="):
         parallel = kerasmulti.parallelize(model, gpus=2)
-    assert type(parallel) is kerasmulti.ParallelModel and len(parallel.replica_devices) == 2
+    assert type(parallel) is LocalParallelModel and len(parallel.replica_devices) == 2
 
 
 @pytest.mark.slow

@@ -122,21 +122,23 @@ class _Totals:
             self.needs_counts = True
             if self.given is not None:
                 return tf.cast(self.given[index], value.dtype)
-        # value / rows is what one row contributes, the same on every replica.
-        return tf.math.divide_no_nan(value, tf.cast(self.rows, value.dtype)) * tf.cast(self.batch, value.dtype)
+        return _loss_parts.proportional_total(value, self.rows, self.batch)
 
 
 class CompiledReplicas:
     """Runs a parallel model's replicas as XLA functions; one per model.
 
     Args:
-        model: The `ParallelModel`, whose `_compute_loss` (and loss trackers)
-            the replicas use, and whose template they run.
+        model: The parallel model, whose loss, loss trackers and optimizer
+            the replicas use.
+        template: The model the replicas run.
+        merge_device: Where the replicas' counts are summed.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, template, merge_device: str):
         self._model = model
-        self._template = model._template
+        self._template = template
+        self._merge_device = merge_device
         self._step = tf.function(self._replica, jit_compile=True, reduce_retracing=True)
         self._needs_counts = {}
         self._reads = None  # `_prepare`: the template may be built only by the first step
@@ -174,14 +176,14 @@ class CompiledReplicas:
             )
             self._update_device, self._update = None, self._apply
 
-    def forward(self, devices, pieces, shards, shares, batch):
-        """Every replica's inference forward pass (`training=False`); their outputs."""
+    def forward(self, plan, pieces):
+        """Every replica's inference forward pass (`training=False`) under `plan` (`local_replicas.StepPlan`); their outputs."""
         pieces = [(x, None, None) for x in pieces]
-        results = self._call_all(devices, self._arguments(pieces, shards, shares, batch, 1.0), None, False, "forward")
+        results = self._call_all(plan.devices, self._arguments(pieces, plan, 1.0), None, False, "forward")
         return [_with_masks(r["y_pred"], r["masks"]) for r in results]
 
-    def run(self, devices, pieces, shards, shares, batch, training, loss_scale, deferred, timing=None):
-        """Every replica's step; returns `(y_pred, loss)` per replica.
+    def run(self, plan, pieces, training, loss_scale, deferred, timing=None):
+        """Every replica's step under `plan` (`local_replicas.StepPlan`); returns `(y_pred, loss)` per replica.
 
         A training step also applies the summed gradients with the model's
         optimizer and assigns the non-trainable updates (BatchNormalization,
@@ -192,7 +194,7 @@ class CompiledReplicas:
         """
         # Timed, the weights are read once the step has started, and each replica starts once they are read.
         with tf.control_dependencies([timing.started()] if timing else []):
-            arguments = self._arguments(pieces, shards, shares, batch, loss_scale)
+            arguments = self._arguments(pieces, plan, loss_scale)
         key = (training, pieces[0][2] is None)
         self._deferred = deferred
         if key not in self._needs_counts:
@@ -203,28 +205,28 @@ class CompiledReplicas:
             self._needs_counts[key] = self._traced_needs_counts
         totals = None
         if self._needs_counts[key]:
-            counts = self._call_all(devices, arguments, None, training, "count", timing)
-            with tf.device(self._model._merge_device):
+            counts = self._call_all(plan.devices, arguments, None, training, "count", timing)
+            with tf.device(self._merge_device):
                 totals = tf.add_n([c["counts"] for c in counts])
-        results = self._call_all(devices, arguments, totals, training, "step", timing)
+        results = self._call_all(plan.devices, arguments, totals, training, "step", timing)
         for i, r in enumerate(results):
             deferred.put(i, r["tracked"])
         if training:
-            shares = [tf.cast(s, tf.float32) for s in shares]
+            shares = [tf.cast(s, tf.float32) for s in plan.shares]
             with tf.device(self._update_device):
                 self._update([r["gradients"] for r in results], [r["state"] for r in results], shares)
         return [(_with_masks(r["y_pred"], r["masks"]), r["loss"]) for r in results]
 
-    def _arguments(self, pieces, shards, shares, batch, loss_scale):
+    def _arguments(self, pieces, plan, loss_scale):
         """Each replica's arguments: the variables' values (packed), its rows, its scalars."""
         self._prepare()
         read = self._reads.read()
-        batch = tf.cast(batch, tf.float32)
+        batch = tf.cast(plan.batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)
         arguments = []
-        for i, shard in enumerate(shards):
+        for i, shard in enumerate(plan.shards):
             x, y, sample_weight = pieces[i]
-            scalars = [tf.cast(value, tf.float32) for value in (i, shares[i], _split.counts(shard), shard.sliced)]
+            scalars = [tf.cast(value, tf.float32) for value in (i, plan.shares[i], _split.counts(shard), shard.sliced)]
             arguments.append((read, x, y, sample_weight, *scalars, batch, loss_scale))
         return arguments
 

@@ -287,50 +287,45 @@ def _replica_context(template, compiled: bool):
 
 
 class CustomSteps:
-    """Runs a template's own steps over a `ParallelModel`'s devices."""
+    """Runs a template's own steps over this process's replicas (`local_replicas.LocalReplicas`)."""
 
-    def __init__(self, parallel):
-        self._parallel = parallel
-        self.overridden = overridden(parallel._template)
+    def __init__(self, template, replicas):
+        self._template = template
+        self._replicas = replicas
+        self.overridden = overridden(template)
         self.compiles = False  # the model calls in each replica's step, with XLA (`compiled_calls`)
-
-    def _shards_of(self, data):
-        """The batch size of `data`, its shards and the replicas' pieces."""
-        parallel = self._parallel
-        batch = _split.batch_size(data, "data")
-        shards = _split.plan(batch, len(parallel._replica_devices), parallel._proportions())
-        return batch, shards, parallel._slice(data, shards)
 
     def run(self, step: str, data):
         """The template's `step` ("train_step" or "test_step") on every replica; the merged logs."""
-        parallel, template = self._parallel, self._parallel._template
-        batch, shards, pieces = self._shards_of(data)
-        if len(shards) == 1:
+        template, replicas = self._template, self._replicas
+        plan = replicas.plan(_split.batch_size(data, "data"))
+        if len(plan.shards) == 1:
             return getattr(template, step)(data)
-        shares = _split.shares(shards, batch)
+        pieces = replicas.pieces(data, plan)
+        shares = plan.shares
         self._build_compiled_loss(data)
 
         def replica(i):
-            _replicas.set_valid(shards[i].counted)
+            _replicas.set_valid(plan.shards[i].counted)
             _replicas.set_gradient_share(shares[i])  # `_optimizer_apply` scales its gradients so
             return getattr(template, step)(pieces[i])
 
-        _run.shares, _run.shards, _run.merge_device = shares, shards, parallel._merge_device
-        with _replica_context(template, self.compiles), parallel._synchronized(True):
-            logs = _replicas.run(parallel._devices_for(shards), replica, True, parallel.variables)
-        with tf.device(parallel._merge_device):
+        _run.shares, _run.shards, _run.merge_device = shares, plan.shards, replicas.merge_device
+        with _replica_context(template, self.compiles):
+            logs = replicas.run(plan, replica, synchronized=True)
+        with tf.device(replicas.merge_device):
             return _merged_logs(logs, shares)
 
     def predict(self, data):
         """The template's `predict_step` on every replica's rows; the outputs joined in order."""
-        parallel, template = self._parallel, self._parallel._template
-        _, shards, pieces = self._shards_of(data)
-        if len(shards) == 1:
+        template, replicas = self._template, self._replicas
+        plan = replicas.plan(_split.batch_size(data, "data"))
+        if len(plan.shards) == 1:
             return template.predict_step(data)
+        pieces = replicas.pieces(data, plan)
         with patched(_compiled_calls.calls(template) if self.compiles else []):
-            outputs = _replicas.run(parallel._devices_for(shards), lambda i: template.predict_step(pieces[i]))
-        with tf.device(parallel._merge_device):
-            return _split.merge(outputs, shards)
+            outputs = replicas.run(plan, lambda i: template.predict_step(pieces[i]))
+        return replicas.merge(outputs, plan)
 
     def _build_compiled_loss(self, data):
         """Builds the template's compiled loss (and its per-output trackers) before the replicas run.
@@ -338,7 +333,7 @@ class CustomSteps:
         Built inside a replica, its trackers would be created after the
         metrics are patched, and every replica would update them.
         """
-        template = self._parallel._template
+        template = self._template
         compiled = keras_private.compiled_loss(template)
         if compiled is None or compiled.built or not template.built:
             return

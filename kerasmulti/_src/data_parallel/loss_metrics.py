@@ -4,6 +4,8 @@ Keras' `CompileLoss` keeps one `Mean` per output (`dense_loss`, ...) and
 updates it each time it is called. Each replica computes its part of the
 batch's loss (`loss_parts.py`); the parts are collected per replica while the
 replicas run and their sum is applied once, after the step, as one device would.
+Across workers, where the strategy averages every replica's trackers, each
+replica records its part divided by its share instead (`recorded_by_share`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,7 @@ def deferred_loss_metrics(model):
     it yields applies their sum once (`flush`; per-row values: merged), as
     one device would.
     """
-    compile_loss = keras_private.compiled_loss(model)
-    deferred = DeferredLossMetrics(list(getattr(compile_loss, "metrics", None) or []))
+    deferred = DeferredLossMetrics(_trackers(model))
 
     def recorder(metric):
         def update_state(values, sample_weight=None):
@@ -75,10 +76,41 @@ def deferred_loss_metrics(model):
 
         return update_state
 
-    for metric in deferred.metrics:
-        metric.update_state = recorder(metric)
-    try:
+    with _recording(deferred.metrics, recorder):
         yield deferred
+
+
+@contextlib.contextmanager
+def recorded_by_share(model, share, rows, replicas: int):
+    """Across workers: per-output loss trackers record this replica's part / `share`, weighted by its `rows`.
+
+    Under a strategy Keras records each value times the replica count,
+    weighted by the batch's rows; recorded so instead, their mean across
+    the cluster's replicas is the global batch's value.
+    """
+
+    def recorder(tracker):
+        def update_state(values, sample_weight=None):
+            scale = share * replicas  # Keras multiplied by the count
+            type(tracker).update_state(tracker, tf.math.divide_no_nan(values, scale), sample_weight=rows)
+
+        return update_state
+
+    with _recording(_trackers(model), recorder):
+        yield
+
+
+def _trackers(model) -> list:
+    return list(getattr(keras_private.compiled_loss(model), "metrics", None) or [])
+
+
+@contextlib.contextmanager
+def _recording(trackers: list, recorder):
+    """Inside: each tracker's `update_state` is `recorder(tracker)`."""
+    for tracker in trackers:
+        tracker.update_state = recorder(tracker)
+    try:
+        yield
     finally:
-        for metric in deferred.metrics:
-            del metric.update_state
+        for tracker in trackers:
+            del tracker.update_state

@@ -154,11 +154,15 @@ def counted_or_summed(rows, batch, summed: Callable) -> Callable:
     """
 
     def total(value, by_rows: bool):
-        if not by_rows:
-            return summed(value, by_rows)
-        return ops.divide_no_nan(value, ops.cast(rows, value.dtype)) * ops.cast(batch, value.dtype)
+        return proportional_total(value, rows, batch) if by_rows else summed(value, by_rows)
 
     return total
+
+
+def proportional_total(value, rows, batch):
+    """The batch's total of a count proportional to the rows, from one replica's `value` over its `rows`."""
+    # value / rows is what one row contributes, the same on every replica.
+    return ops.divide_no_nan(value, ops.cast(rows, value.dtype)) * ops.cast(batch, value.dtype)
 
 
 @contextlib.contextmanager

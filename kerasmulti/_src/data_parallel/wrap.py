@@ -16,6 +16,7 @@ from kerasmulti._src import devices as _devices
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
+from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
 
@@ -60,7 +61,7 @@ def _relocate_to_cpu(model) -> None:
             keras_private.reinitialize(variable, variable.value.read_value())
 
 
-def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> ParallelModel:
+def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> LocalParallelModel:
     """`parallelize` on this process's devices, also inside a cluster."""
     if isinstance(model, ParallelModel):
         model = model._template
@@ -74,7 +75,7 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     if cpu_relocation:
         _relocate_to_cpu(model)
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
-    parallel = ParallelModel(model, replica_devices, merge_device, proportions)
+    parallel = LocalParallelModel(model, replica_devices, merge_device, proportions)
     # A template that comes compiled (loaded from a .keras file) makes a compiled
     # parallel model, optimizer state and all: `if not parallel.compiled` tells the truth.
     parallel._adopt_template_compile()

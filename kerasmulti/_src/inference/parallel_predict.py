@@ -25,7 +25,8 @@ from keras import tree
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.custom_steps import warn_not_run
-from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
+from kerasmulti._src.data_parallel.local_model import LocalParallelModel
+from kerasmulti._src.data_parallel.parallel_model import unwrap
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
 from kerasmulti._src.devices import resolve_devices
 from kerasmulti._src.inference import fingerprints as _fingerprints
@@ -186,7 +187,7 @@ def parallel_predict(
             "parallel_predict() predicts with a keras.Model. Load a saved one with keras.models.load_model. "
             f"Received: model={shown}"
         )
-    if type(model) is ParallelModel and gpus is None and devices is None:
+    if type(model) is LocalParallelModel and gpus is None and devices is None:
         parallel = model  # its compiled step is reused across calls
     else:
         parallel = _parallel_of(unwrap(model), gpus, devices)
@@ -294,7 +295,7 @@ def _row_shape_changed(name, first, shape, row, output) -> ValueError:
     )
 
 
-def _parallel_of(model, gpus, devices) -> ParallelModel:
+def _parallel_of(model, gpus, devices) -> LocalParallelModel:
     """The parallel model of `model` on these devices, built once and reused.
 
     One per set of devices, kept in the model's `__dict__` under a name that

@@ -29,6 +29,7 @@ import tensorflow as tf
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
+from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
@@ -37,7 +38,7 @@ from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
 from kerasmulti._src.utils.arguments import is_int
 
 
-class PipelineModel(ParallelModel):
+class PipelineModel(LocalParallelModel):
     """A placed model trained and run on micro-batches; made by `pipeline`.
 
     It shares every weight with its template (`kerasmulti.unwrap`), and saves

@@ -55,8 +55,10 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import monitor as _monitor
+from kerasmulti._src.data_parallel import row_mixing as _row_mixing
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.multi_worker import accumulation as _accumulation
 from kerasmulti._src.multi_worker import adoption as _adoption
@@ -65,7 +67,7 @@ from kerasmulti._src.multi_worker import worker_steps as _worker_steps
 
 
 class WorkerModel(ParallelModel):
-    """A parallel model whose replicas are all workers' devices; built by `parallelize`."""
+    """A `ParallelModel` whose replicas are all workers' devices; built by `parallelize`."""
 
     def __init__(self, template, strategy):
         self._strategy = strategy
@@ -117,11 +119,11 @@ class WorkerModel(ParallelModel):
             _adoption.template_optimizers_in_scope(self._template, self._strategy)
             super()._compile_as_template(jit_compile)
 
-    def _compiles_replicas(self, jit_compile) -> bool:
-        return False  # the strategy runs the replicas
+    def _custom_steps(self):
+        return _worker_steps.WorkerSteps(self._template)
 
-    def _fed(self, feed, arguments: dict) -> dict:
-        return arguments  # the strategy distributes the inputs (`fit` prepares them)
+    def _outer_jit_compile(self, jit_compile, run_eagerly: bool):
+        return jit_compile if len(self._replica_devices) == 1 else False  # the strategy runs the replicas
 
     def _resolve_auto_jit_compile(self):
         # XLA would compile the step around the strategy's collectives, a
@@ -146,19 +148,25 @@ class WorkerModel(ParallelModel):
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         with _cluster.lost_workers_explained("fit()"):
             _check_monitored_everywhere(self._strategy, arguments.get("callbacks"))
+        self._adopt_template_compile()
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
+        _monitor.attach(self, arguments.get("callbacks"))
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
         return self._on_all_workers(super().fit, (), _worker_inputs.fit_arguments(self._strategy, arguments, seed))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
+        self._adopt_template_compile()
         kwargs = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        _row_mixing.probe_once(self, kwargs.get("x"), stacklevel=2)
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().evaluate, (), kwargs)
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
         kwargs = _feeding.bound(keras.Model.predict, args, kwargs)
+        _row_mixing.probe_once(self, kwargs.get("x"), stacklevel=2)
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().predict, (), kwargs)
 
@@ -196,7 +204,7 @@ class WorkerModel(ParallelModel):
         if self._timing is not None:
             data, started = self._timing.start(data)
         if self._custom is not None:  # the template's own step (`worker_steps.py`)
-            logs = _worker_steps.run(self._template, "train_step", data, self._custom.compiles)
+            logs = self._custom.run("train_step", data)
             if self._timing is not None:
                 self._timing.record(started, logs, self._updated_weights(), _worker_steps.replica_rows(data))
             return _with_leading_axis(logs)
@@ -223,17 +231,11 @@ class WorkerModel(ParallelModel):
 
     def test_step(self, data):
         if self._custom is not None:
-            return _with_leading_axis(_worker_steps.run(self._template, "test_step", data, self._custom.compiles))
+            return _with_leading_axis(self._custom.run("test_step", data))
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         self._replica_loss(x, y, y_pred, sample_weight, training=False)
         return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
-
-    def predict_step(self, data):
-        if self._custom is not None and "predict_step" in self._custom.overridden:
-            with _worker_steps.predicting(self._template, self._custom.compiles):
-                return self._template.predict_step(data)
-        return keras.Model.predict_step(self, data)
 
     def _replica_loss(self, x, y, y_pred, sample_weight, training):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""
@@ -247,32 +249,12 @@ class WorkerModel(ParallelModel):
 
     @contextlib.contextmanager
     def _part(self, share, rows, total):
-        """Losses are this replica's part of the global batch's (see `loss_parts`).
-
-        Keras' per-output loss trackers record each value times the replica
-        count, weighted by the batch's rows; recording part / share with this
-        replica's rows instead makes their mean across workers the global
-        batch's value.
-        """
+        """Losses are this replica's part of the global batch's (`loss_parts`), and recorded so (`loss_metrics`)."""
         context = tf.distribute.get_replica_context()
-        trackers = list(getattr(keras_private.compiled_loss(self), "metrics", None) or [])
-
-        def record(tracker):
-            def update_state(values, sample_weight=None):
-                scale = share * context.num_replicas_in_sync  # Keras multiplied by the count
-                type(tracker).update_state(tracker, tf.math.divide_no_nan(values, scale), sample_weight=rows)
-
-            return update_state
-
-        for tracker in trackers:
-            tracker.update_state = record(tracker)
-        try:
-            summed = _loss_parts.counted_or_summed(rows, total, lambda value, by_rows: context.all_reduce("sum", value))
-            with _loss_parts.replica_part(share, 1.0, rows, summed):
-                yield
-        finally:
-            for tracker in trackers:
-                del tracker.update_state
+        summed = _loss_parts.counted_or_summed(rows, total, lambda value, by_rows: context.all_reduce("sum", value))
+        with _loss_metrics.recorded_by_share(self, share, rows, context.num_replicas_in_sync), \
+                _loss_parts.replica_part(share, 1.0, rows, summed):
+            yield
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras reduces the first distributed batch to build the model, which

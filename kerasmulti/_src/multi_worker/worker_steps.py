@@ -90,6 +90,22 @@ def run(template, step: str, data, compiled: bool = False):
     return tree.map_structure(lambda value: _weighted_log(value, share, first, context.num_replicas_in_sync), logs)
 
 
+class WorkerSteps:
+    """Runs a template's own steps on a replica of the cluster's strategy (as `custom_steps.CustomSteps` in one process)."""
+
+    def __init__(self, template):
+        self._template = template
+        self.overridden = _custom_steps.overridden(template)
+        self.compiles = False  # the model calls, with XLA (`compiled_calls`)
+
+    def run(self, step: str, data):
+        return run(self._template, step, data, self.compiles)
+
+    def predict(self, data):
+        with predicting(self._template, self.compiles):
+            return self._template.predict_step(data)
+
+
 def keras_step(template, batchnorm: list):
     """Inside Keras' own step on a replica: `batchnorm` synchronised, the seeds the replica's (`_replica_seeds`)."""
     return _for_the_worker(("keras step", id(template)), lambda: _entered(_synchronized_batchnorm(batchnorm), _replica_seeds(template)))

@@ -1,0 +1,226 @@
+"""`LocalParallelModel`: data parallelism on this process's devices.
+
+Built by `parallelize` (`parallelize.py`). Split, replicate, merge: every
+batch is split along axis 0 into one shard per device; the template model
+runs on each shard under that device's scope (at call time, where Keras 3
+honours it); the outputs are concatenated in order on the CPU. A step is
+planned once (`local_replicas.py`) and carried out by one of three executors:
+Keras' step on threads (here), the replicas' XLA programs (`compiled.py`),
+or the template's own steps (`custom_steps.py`).
+
+Training does not back-propagate through the merged output (on two
+simulated devices it ran at 0.68x one device): each replica computes its loss and gradients on its shard, and
+the gradients are summed. Each replica's loss is its part of the whole
+batch's (`loss_parts.py`), so the sum equals the one-device gradient for every
+Keras loss reduction, masked losses included. Metrics are computed once on
+the merged output, so stateful metrics (AUC) see the whole batch.
+BatchNormalization is synchronised, see `sync_batchnorm.py`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import compiled as _compiled
+from kerasmulti._src.data_parallel import custom_steps as _custom_steps
+from kerasmulti._src.data_parallel import epoch_order as _epoch_order
+from kerasmulti._src.data_parallel import feeding as _feeding
+from kerasmulti._src.data_parallel import local_replicas as _local_replicas
+from kerasmulti._src.data_parallel import loss_metrics as _loss_metrics
+from kerasmulti._src.data_parallel import loss_parts as _loss_parts
+from kerasmulti._src.data_parallel import monitor as _monitor
+from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import row_mixing as _row_mixing
+from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
+from kerasmulti._src.data_parallel.parallel_model import ParallelModel
+from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
+
+
+class LocalParallelModel(ParallelModel):
+    """A `ParallelModel` whose replicas run on this process's devices; built by `parallelize`."""
+
+    def __init__(self, template, devices, merge_device, split=None, **kwargs):
+        # Planned and run by `local_replicas` (made first: the template's own steps run there too).
+        batchnorm = _sync_batchnorm.batchnorm_layers(template)
+        self._replicas = _local_replicas.LocalReplicas(self, devices, merge_device, split, batchnorm)
+        super().__init__(template, devices, merge_device, **kwargs)
+        self._auto_split = self._replicas.auto_split
+        self._timing = _balance.StepTiming(devices) if self._auto_split else None
+        self._input_order = None  # `epoch_order`: shuffled arrays a backup resumes
+
+    def _custom_steps(self):
+        return _custom_steps.CustomSteps(self._template, self._replicas)
+
+    def _outer_jit_compile(self, jit_compile, run_eagerly: bool):
+        if len(self._replica_devices) == 1:
+            return jit_compile
+        self._compiled = None
+        if not run_eagerly and _compiled.resolve(self._template, jit_compile, len(self._replica_devices)):
+            self._compiled = _compiled.CompiledReplicas(self, self._template, self._replicas.merge_device)
+        return False  # the outer step spans the devices
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        """Trains as `keras.Model.fit`; arrays go through a steady pipeline (`feeding`)."""
+        self._adopt_template_compile()
+        arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
+        _monitor.attach(self, arguments.get("callbacks"))
+        self._fit_calls += 1
+        seed = _epoch_order.seed_for(arguments.get("callbacks"), self._fit_calls)
+        return super().fit(**_feeding.fit_arguments(arguments, model=self, seed=seed))
+
+    def evaluate(self, *args, **kwargs):
+        """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
+        self._adopt_template_compile()
+        arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
+        return super().evaluate(**_feeding.evaluate_arguments(arguments, model=self))
+
+    def predict(self, *args, **kwargs):
+        """Predicts as `keras.Model.predict`; arrays go through a steady pipeline."""
+        arguments = _feeding.bound(keras.Model.predict, args, kwargs)
+        _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
+        return super().predict(**_feeding.predict_arguments(arguments, model=self))
+
+    @property
+    def split(self) -> list[float] | None:
+        """Each device's proportion of a batch: None for even sizes; `split="auto"`: measured."""
+        if self._auto_split is not None:
+            return self._auto_split.current()
+        return None if self._replicas.split is None else list(self._replicas.split)
+
+    def _new_timing(self):
+        return _balance.StepTiming(self._replica_devices)
+
+    def call(self, inputs, training=None):
+        plan = self._replicas.plan(_split.batch_size(inputs))
+        if len(plan.shards) == 1:
+            return self._replicas.run(plan, lambda i: self._template(inputs, training=training))[0]
+        pieces = self._replicas.pieces(inputs, plan)
+        if not training and self._compiled is not None:
+            return self._replicas.merge(self._compiled.forward(plan, pieces), plan)
+
+        def replica(i):
+            _replicas.set_valid(plan.shards[i].counted)
+            # Losses its layers add (regularisers, add_loss) count by its rows.
+            with _loss_parts.added_losses_scaled(self._template, plan.shares[i]):
+                return self._template(pieces[i], training=training)
+
+        synchronized = bool(training) and bool(self._batchnorm)
+        if synchronized and record.could_possibly_record():
+            # Replicas share BatchNormalization statistics on threads of their
+            # own, which the user's tape does not record: every gradient would
+            # be None. fit() and train_on_batch() take each replica's gradients.
+            raise RuntimeError(
+                "A GradientTape cannot train a parallel model with BatchNormalization. Use fit(), "
+                "train_on_batch() or a loop on kerasmulti.unwrap(parallel). "
+                f"Received: training=True with {len(self._batchnorm)} BatchNormalization layer(s)"
+            )
+        return self._replicas.merge(self._replicas.run(plan, replica, synchronized), plan)
+
+    def train_step(self, data):
+        if self._custom is not None:
+            return self._custom.run("train_step", data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if self._timing is not None:
+            started = self._timing.step_start(x)
+        step = self._replica_step(x, y, sample_weight, training=True)
+        if step is None:
+            logs = super().train_step(data)
+            rows = _split.batch_size(x)
+            shards = [_split.Shard(0, rows, rows)]
+        else:
+            y_pred, gradients, shards = step
+            if not self.trainable_weights:
+                warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+            elif gradients is not None:
+                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if self._timing is not None:
+            busy, rows = self._timing.record(shards, started, self._updated_weights())
+            if self._auto_split is not None:
+                self._auto_split.observe(busy, rows)
+        return logs
+
+    def test_step(self, data):
+        if self._custom is not None:
+            return self._custom.run("test_step", data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = self._replica_step(x, y, sample_weight, training=False)
+        if step is None:
+            return super().test_step(data)
+        return self.compute_metrics(x, y, step[0], sample_weight=sample_weight)
+
+    def _replica_step(self, x, y, sample_weight, training):
+        """Every replica's forward pass, its part of the loss and (training) its gradients.
+
+        Records the batch's loss as Keras' steps do, and returns the merged
+        predictions and the summed gradients, or None when the batch runs on
+        one replica.
+        """
+        plan = self._replicas.plan(_split.batch_size(x))
+        if len(plan.shards) == 1:
+            return None
+        batch, shards, shares = plan.batch, plan.shards, plan.shares
+        timing = self._timing if training else None
+        trainable = self.trainable_weights if training else []
+        self._build_compile_loss(x, y, sample_weight)
+        pieces = self._replicas.pieces((x, y, sample_weight), plan)
+
+        def replica(i):
+            _replicas.set_valid(shards[i].counted)
+            x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)
+            part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].sliced, total)
+            # Timed, its weights are read after the step's start: the replica's time, not the loop's.
+            with tf.GradientTape() as tape, tf.control_dependencies([timing.started()] if timing else []):
+                y_pred = self._template(x_i, training=training)
+                _split.check_batch_axis(y_pred, x_i)
+                with part:
+                    loss = keras_private.compute_loss(self, x_i, y_i, y_pred, sw_i, training)
+                scaled = self.optimizer.scale_loss(loss) if training and self.optimizer else loss
+            gradients = tape.gradient(scaled, trainable) if trainable else []
+            if timing:
+                timing.end(i, (y_pred, loss, gradients))
+            return y_pred, loss, gradients
+
+        # Synchronised: the replicas' losses need the whole batch's totals
+        # (`loss_parts.py`), and BatchNormalization its statistics.
+        with _loss_metrics.deferred_loss_metrics(self) as deferred:
+            if self._compiled is not None:
+                scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
+                results = self._compiled.run(plan, pieces, training, scale, deferred, timing)
+            else:
+                results = self._replicas.run(plan, replica, synchronized=True)
+            with tf.device(self._merge_device):
+                deferred.flush(batch, shards)
+                y_pred = _split.merge([r[0] for r in results], shards)
+                losses = [r[1] for r in results]
+                # reduction="none" leaves a loss per row: those are merged like outputs.
+                loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
+                # None where the compiled step applied them (`compiled.py`).
+                gradients = None if self._compiled is not None else [_split.sum_gradients(list(g)) for g in zip(*[r[2] for r in results])]
+        keras_private.loss_tracker(self).update_state(
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+        )
+        return y_pred, gradients, shards
+
+    def _build_compile_loss(self, x, y, sample_weight):
+        """Builds Keras' loss (and its per-output trackers) before the replicas run.
+
+        Without a distribution strategy Keras builds it in the first step's
+        loss call, and the trackers it creates then would miss
+        `_loss_metrics.deferred_loss_metrics`. This is the build Keras does with a
+        strategy (`_symbolic_build`): symbolic, so no op reaches the step.
+        """
+        compiled = keras_private.compiled_loss(self)
+        if compiled is None or compiled.built:
+            return
+        y_pred = compute_output_spec(self._template, x, training=False)
+        compute_output_spec(keras_private.compute_loss, self, x, y, y_pred, sample_weight, False)
