@@ -102,14 +102,14 @@ class LocalParallelModel(ParallelModel):
         plan = self._replicas.plan(_split.batch_size(inputs))
         if len(plan.shards) == 1:
             return self._replicas.run(plan, lambda i: self._template(inputs, training=training))[0]
-        pieces = self._replicas.pieces(inputs, plan)
+        pieces, shares = self._replicas.pieces(inputs, plan), plan.shares
         if not training and self._compiled is not None:
             return self._replicas.merge(self._compiled.forward(plan, pieces), plan)
 
         def replica(i):
             _replicas.set_valid(plan.shards[i].counted)
             # Losses its layers add (regularisers, add_loss) count by its rows.
-            with _loss_parts.added_losses_scaled(self._template, plan.shares[i]):
+            with _loss_parts.added_losses_scaled(self._template, shares[i]):
                 return self._template(pieces[i], training=training)
 
         synchronized = bool(training) and bool(self._batchnorm)

@@ -85,7 +85,7 @@ class LocalReplicas:
         BatchNormalization uses the whole batch's statistics.
         """
         with self._synchronized(synchronized):
-            return _replicas.run(plan.devices, fn, synchronized, self._model.variables)
+            return _replicas.run(plan.devices, fn, synchronized, self._model.variables if synchronized else ())
 
     def _synchronized(self, enabled: bool):
         if not enabled:

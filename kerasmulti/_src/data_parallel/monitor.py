@@ -92,7 +92,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             )
         self.verbose = verbose
         self.records: list[dict] = []
-        self._log_dir = None  # set by ParallelModel.fit when a TensorBoard callback is given
+        self._log_dir = None  # set by the parallel model's fit when a TensorBoard callback is given
         self._writer = None
 
     def on_train_begin(self, logs=None):

@@ -77,7 +77,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         The template is compiled with the same settings and shares the
         optimizer, so it can be evaluated on one device and saved with its
         training state. XLA compiles a step for one device, so with several
-        devices `jit_compile` applies to each replica's part of the step
+        devices of one process `jit_compile` applies to each replica's part of the step
         (forward pass, loss and gradients) on its own device
         (`compiled.py`): `"auto"` turns it on where Keras would (a GPU),
         True forces it (CPU devices too), False keeps the uncompiled

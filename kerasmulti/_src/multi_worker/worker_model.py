@@ -148,16 +148,17 @@ class WorkerModel(ParallelModel):
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         with _cluster.lost_workers_explained("fit()"):
             _check_monitored_everywhere(self._strategy, arguments.get("callbacks"))
-        self._adopt_template_compile()
+            self._adopt_template_compile()
+            _monitor.attach(self, arguments.get("callbacks"))
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
-        _monitor.attach(self, arguments.get("callbacks"))
         self._fit_calls += 1
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
         return self._on_all_workers(super().fit, (), _worker_inputs.fit_arguments(self._strategy, arguments, seed))
 
     def evaluate(self, *args, **kwargs):
         """Evaluates as `keras.Model.evaluate`, each worker on its part of every batch."""
-        self._adopt_template_compile()
+        with _cluster.lost_workers_explained("evaluate()"):
+            self._adopt_template_compile()
         kwargs = _feeding.bound(keras.Model.evaluate, args, kwargs)
         _row_mixing.probe_once(self, kwargs.get("x"), stacklevel=2)
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
