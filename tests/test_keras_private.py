@@ -364,6 +364,23 @@ def test_optimizer_accessors_read_what_they_say():
     assert _keras_private.uses_weight_decay(optimizer, kernel) in (True, False)
 
 
+def test_an_optimizer_reindexed_after_its_variables_were_made_anew_updates_the_new_ones():
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(1.0)
+    optimizer.build(model.trainable_variables)
+    kernel, bias = model.trainable_variables
+    with tf.device("/cpu:1"):
+        _keras_private.reinitialize(kernel, np.zeros((3, 2), "float32"))
+    gradients = [np.ones((3, 2), "float32"), np.ones((2,), "float32")]
+    with pytest.raises(ValueError, match="Unknown variable"):  # Keras keys them by the TensorFlow variable
+        optimizer.apply(gradients, [kernel, bias])
+    _keras_private.reindex_optimizer(optimizer)
+    optimizer.apply(gradients, [kernel, bias])
+    np.testing.assert_array_equal(np.asarray(kernel), -np.ones((3, 2)))
+
+
 def test_callback_accessors_read_what_they_say(tmp_path):
     import numpy as np
 

@@ -13,11 +13,9 @@ the signature kerasmulti calls it with, so a release that moves one fails
 that test by name instead of changing behaviour silently. The versions these
 were read from are the ones `setup.cfg` pins.
 
-Patches of Keras objects (the loss reduction in `loss_parts.py`, saving in
-`portable.py`, the layer call in `device_scope.py`, BatchNormalization in
-`sync_batchnorm.py`) live with the feature they serve; what they patch is imported
-from here or is a public class. Private methods that kerasmulti's subclasses
-override are listed in `OVERRIDDEN`.
+Patches of Keras objects (loss reduction, saving, layer calls, BatchNormalization)
+live with the feature they serve; what they patch is imported from here or is a
+public class. Private methods that kerasmulti's subclasses override are in `OVERRIDDEN`.
 """
 
 from __future__ import annotations
@@ -84,9 +82,7 @@ from keras.src.saving import saving_lib
 # Keras' array pipeline (batches, shuffling, class weights, validation split)
 # with tf.data autotuning off (`feeding.py`); `fit` builds it only internally.
 from keras.src.trainers.data_adapters import array_data_adapter, array_slicing
-
-# Keras' own test of whether a model can run under XLA (`jit_compile="auto"`).
-from keras.src.trainers.trainer import model_supports_jit
+from keras.src.trainers.trainer import model_supports_jit  # Keras' own test for `jit_compile="auto"`
 
 # Not imports but private attributes of a Keras optimizer: multi-worker
 # gradient accumulation (`accumulation.py`) re-runs Keras' accumulating
@@ -291,6 +287,11 @@ def reinitialize(variable, value) -> None:
     variable._initialize(value)
 
 
+def reindex_optimizer(optimizer) -> None:
+    """After `reinitialize`: a built optimizer finds its variables by their TensorFlow variable (`_var_key`)."""
+    optimizer._trainable_variables_indices = {optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+
+
 # --- Optimizers -----------------------------------------------------------------
 
 
@@ -390,8 +391,8 @@ __all__ = [
     "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
-    "optimizer_trainable_variables", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics", "sum_gradients_with",
-    "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
+    "optimizer_trainable_variables", "reindex_optimizer", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics",
+    "sum_gradients_with", "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",

@@ -114,6 +114,32 @@ def test_cpu_relocation_moves_variables_to_host_and_still_matches(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_cpu_relocation_of_a_trained_model_keeps_its_optimizer_and_training_on_both():
+    # Its Adam is built, and its step traced, on the variables before the move.
+    import tensorflow as tf
+
+    def build():
+        keras.utils.set_random_seed(4)
+        with tf.device("/cpu:2"):
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(12, 3)).astype("float32"), rng.normal(size=(12, 1)).astype("float32")
+    reference, template = build(), build()
+    for model in (reference, template):
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    parallel = kerasmulti.parallelize(template, gpus=2, cpu_relocation=True)
+    assert parallel.optimizer is template.optimizer  # compiled as the template was, its state kept
+    assert all(v.value.device.endswith("CPU:0") for v in template.variables + template.optimizer.variables)
+    for trained in (parallel, template):  # the template's own step was traced on the old variables
+        expected = reference.fit(x, y, batch_size=4, shuffle=False, verbose=0).history["loss"]
+        np.testing.assert_allclose(trained.fit(x, y, batch_size=4, shuffle=False, verbose=0).history["loss"], expected, rtol=1e-5)
+        for a, b in zip(reference.weights + reference.optimizer.variables, template.weights + template.optimizer.variables):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_saved_file_keeps_compile_settings_and_optimizer_state(tmp_path):
     model, parallel, x = _trained_parallel()
     path = str(tmp_path / "compiled.keras")

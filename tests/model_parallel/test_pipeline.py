@@ -175,6 +175,9 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     # 7 layers, a third of 3,110 each: 800, 1,120, 1,190.
     assert devices == ["/device:CPU:0"] * 2 + ["/device:CPU:1"] * 2 + ["/device:CPU:2"] * 3
     assert piped.stages == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    # Each stage's weights live on its device (they were all made on CPU:0), as device_scope makes them.
+    for wrapper in placed.layers:
+        assert [v.value.device[-5:] for v in wrapper.layer.weights] == [wrapper.device[-5:]] * 2
     data = _data("dense")
     reference.compile(optimizer="sgd", loss="mse")
     piped.compile(optimizer="sgd", loss="mse")
@@ -199,6 +202,17 @@ def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compi
     assert piped.compiled and piped.optimizer is model.optimizer and int(piped.optimizer.iterations.numpy()) == 6
     assert len(kerasmulti.unwrap(piped).weights) == len(model.weights)
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
+    # The model it was cut from trains the moved weights (its step, traced on the old ones, is traced again).
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, model.fit(**data, **FIT).history)
+
+
+def test_a_pipeline_sums_each_gradient_on_its_stages_device_not_the_hosts():
+    piped = kerasmulti.pipeline(_stacked(3), microbatches=2)
+    parallel = kerasmulti.parallelize(_stacked(3), gpus=2)
+    for model, expected in ((piped, ["CPU:1", "CPU:1", "CPU:2", "CPU:2", "CPU:2", "CPU:2"]), (parallel, ["CPU:0"] * 6)):
+        weights = kerasmulti.unwrap(model).trainable_weights
+        sums = [model._summed([tf.ones(w.shape), tf.ones(w.shape)], w) for w in weights]
+        assert [s.device[-5:] for s in sums] == expected and all(np.all(s.numpy() == 2) for s in sums)
 
 
 def test_summary_goes_where_print_fn_sends_it():

@@ -204,12 +204,19 @@ class LocalParallelModel(ParallelModel):
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.
                 loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
-                # None where the compiled step applied them (`compiled.py`).
-                gradients = None if self._compiled is not None else [_split.sum_gradients(list(g)) for g in zip(*[r[2] for r in results])]
+        # None where the compiled step applied them (`compiled.py`).
+        gradients = None
+        if self._compiled is None:
+            gradients = [self._summed(list(g), v) for g, v in zip(zip(*[r[2] for r in results]), trainable)]
         keras_private.loss_tracker(self).update_state(
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )
         return y_pred, gradients, shards
+
+    def _summed(self, gradients: list, variable):
+        """The replicas' gradients of `variable`, summed where `cpu_merge` says."""
+        with tf.device(self._merge_device):
+            return _split.sum_gradients(gradients)
 
     def _build_compile_loss(self, x, y, sample_weight):
         """Builds Keras' loss (and its per-output trackers) before the replicas run.

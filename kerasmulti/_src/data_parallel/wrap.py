@@ -10,12 +10,12 @@ from __future__ import annotations
 import warnings
 
 import keras
-import tensorflow as tf
 
 from kerasmulti._src import devices as _devices
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
+from kerasmulti._src.data_parallel import relocation as _relocation
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec
@@ -55,10 +55,6 @@ def warn_row_mixing(model, stacklevel) -> None:
             )
 
 
-def _relocate_to_cpu(model) -> None:
-    with tf.device("/cpu:0"):
-        for variable in model.variables:
-            keras_private.reinitialize(variable, variable.value.read_value())
 
 
 def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> LocalParallelModel:
@@ -73,7 +69,7 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     if len(replica_devices) > 1:
         warn_row_mixing(model, stacklevel=3)
     if cpu_relocation:
-        _relocate_to_cpu(model)
+        _relocation.relocate(model, lambda variable: "/cpu:0", optimizer_device="/cpu:0")
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
     parallel = LocalParallelModel(model, replica_devices, merge_device, proportions)
     # A template that comes compiled (loaded from a .keras file) makes a compiled

@@ -29,6 +29,8 @@ import tensorflow as tf
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
+from kerasmulti._src.data_parallel import relocation as _relocation
+from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
@@ -97,6 +99,11 @@ class PipelineModel(LocalParallelModel):
     def predict_step(self, data):
         with self._compiled_stages():
             return super().predict_step(data)
+
+    def _summed(self, gradients: list, variable):
+        # On the variable's device, its stage's, where the micro-batches' gradients are: none crosses to the host.
+        with tf.device(variable.value.device):
+            return _split.sum_gradients(gradients)
 
     def _compiled_stages(self):
         """While a step is traced: the placed layers' calls compiled, where `compile` asked for it."""
@@ -217,9 +224,21 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
             raise ValueError(f"pipeline() cuts a model into gpus= stages, at least 2. Received: gpus={gpus!r}")
         stages = resolve_devices(int(gpus), caller="pipeline()")
         template = cut(template, stages)
+        # Each stage's weights on its device, as device_scope creates them: a model too big for one device fits.
+        devices = _variable_stages(template)
+        _relocation.relocate(template, lambda variable: devices.get(id(variable)), sharing=[unwrap(model)])
     piped = PipelineModel(template, stages, int(microbatches))
     piped._adopt_template_compile()  # a compiled model (loaded from a file) comes compiled, its optimizer and all
     return piped
+
+
+def _variable_stages(model: keras.Model) -> dict:
+    """The device of the stage each placed layer's variable belongs to, by the variable's id."""
+    devices = {}
+    for wrapper in keras_private.flatten_layers(model, include_self=False):
+        if isinstance(wrapper, OnDevice):
+            devices.update((id(variable), wrapper.device) for variable in wrapper.layer.variables)
+    return devices
 
 
 def stage_devices(model: keras.Model) -> list[str]:
