@@ -16,7 +16,11 @@ the machine's load) for one `train_on_batch` step, averaged over a few:
   layers per network: uncompiled replicas against XLA model calls, whose packed
   reads and update hold the count flat;
 - the step time of bare XLA and of the parallel step on those two models,
-  interleaved repeats (a timing: it does depend on the machine's load).
+  interleaved repeats (a timing: it does depend on the machine's load);
+- where `ThroughputMonitor`'s loop time goes as the variables grow: its
+  `loop_seconds` at 50 and 600 vectors beside the call of an XLA function
+  that only reads every variable (what passing them to a step costs; bare
+  Keras' step pays it too) and of one that reads one.
 
 Targets (issue "one step engine"): at most 100 operations per step outside
 XLA for 2 devices on the ResNet50-shaped model, float32 and mixed_float16,
@@ -133,6 +137,35 @@ class GANStep(Step):
         return self.model.train_function(self.batches)
 
 
+def loop_time(devices, batch, repeats: int) -> None:
+    """The monitor's loop time at 50 and 600 vectors, beside the call of functions that read the variables."""
+    rows = {}
+    for count in (50, 600):
+        model = build(lambda: many_weights(count), devices, parallel=True)
+        monitor = kerasmulti.ThroughputMonitor(verbose=0)
+        data = tf.data.Dataset.from_tensors(batch).repeat(50)
+        model.fit(data, epochs=1 + repeats, callbacks=[monitor], verbose=0)  # the first epoch compiles
+        variables = kerasmulti.unwrap(model).variables
+        reads = tf.function(lambda: tf.add_n([tf.reduce_sum(v) for v in variables]), jit_compile=True)
+        first = tf.function(lambda: tf.reduce_sum(variables[0]), jit_compile=True)
+        rows[count] = {
+            "monitor's loop_seconds": median([r["loop_seconds"] for r in monitor.records[1:]]),
+            "XLA function reading every variable": _per_call(reads),
+            "XLA function reading one": _per_call(first),
+        }
+    for name in rows[50]:
+        a, b = rows[50][name] * 1e3, rows[600][name] * 1e3
+        print(f"  {name:<38}{a:7.3f} ms at 50, {b:7.3f} ms at 600: {(b - a) / 550 * 1e3:5.2f} us a variable")
+
+
+def _per_call(function, calls: int = 200) -> float:
+    function()
+    started = time.perf_counter()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter() - started) / calls
+
+
 def print_counts(rows):
     print(f"{'step':<58}{'outside XLA':>12}{'XLA runs':>10}   most frequent")
     for name, ops in rows:
@@ -193,6 +226,9 @@ def main(argv=None) -> int:
     for i in (0, 2):
         bare, parallel = steps[i], steps[i + 1]
         print(f"  {parallel.name}: {median(bare.times) / median(parallel.times):.2f}x bare XLA's step rate")
+
+    print(f"\nWhere the monitor's loop time goes, parallelize({n}) with XLA, 50 and 600 vectors (median of {args.repeats} epochs):")
+    loop_time(devices, batch, args.repeats)
 
     worst = max(ops.outside_xla for ops in compiled)
     spread = abs(grown[1][1].outside_xla - grown[0][1].outside_xla)
