@@ -13,8 +13,13 @@ same seed, in one process:
 
 Both compile with `jit_compile=False`; one more variant (M in
 `--xla-microbatches`, default 2) compiles each placed layer's call as an XLA
-program on its stage's device (`jit_compile=True`). Their predictions must
-agree before anything is timed.
+program on its stage's device (`jit_compile=True`), and another (M in
+`--1f1b-microbatches`, default 8) runs the 1F1B schedule (`schedule="1f1b"`:
+at most one micro-batch per stage in flight). Their predictions must agree
+before anything is timed. Last, the memory a training step takes above what
+was held before it (the allocator's peak on the first stage's device, a
+batch of 16 times `--batch-size` rows, median of the repeats), GPipe's
+schedule against 1F1B's at the 1F1B variants' M: memory, not a timing.
 
 First the machine is checked: two independent chains of matmuls, one per
 device, must run at least 1.8 times as fast as one chain (two cores free).
@@ -106,17 +111,19 @@ def free_cores(devices: list[str], width: int) -> float:
     return 2 * best(one) / best(two)
 
 
-def make_variants(devices: list[str], microbatches: list[int], layers: int, width: int, xla: list[int]) -> list[TrainPredictVariant]:
+def make_variants(devices, microbatches, layers, width, xla, one_f_one_b) -> list[TrainPredictVariant]:
     variants = [TrainPredictVariant("naive placement")]
     try:
         variants[0].model = build_model(devices, layers, width)
         variants[0].model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
     except Exception as error:  # reported in the table, never raised
         record_failure(variants[0], error)
-    for m, jit_compile in [(m, False) for m in microbatches] + [(m, True) for m in xla]:
-        variant = TrainPredictVariant(f"pipeline, M={m}" + (", XLA stages" if jit_compile else ""))
+    settings = [(m, False, "gpipe") for m in microbatches] + [(m, True, "gpipe") for m in xla]
+    for m, jit_compile, schedule in settings + [(m, False, "1f1b") for m in one_f_one_b]:
+        suffix = (", XLA stages" if jit_compile else "") + (", 1F1B" if schedule == "1f1b" else "")
+        variant = TrainPredictVariant(f"pipeline, M={m}{suffix}")
         try:
-            variant.model = kerasmulti.pipeline(build_model(devices, layers, width), microbatches=m)
+            variant.model = kerasmulti.pipeline(build_model(devices, layers, width), microbatches=m, schedule=schedule)
             variant.model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=jit_compile)
         except Exception as error:  # reported in the table, never raised
             record_failure(variant, error)
@@ -133,11 +140,11 @@ def check_predictions(variants, x) -> None:
 
 def print_checks(variants, cores: float) -> None:
     naive = (median(variants[0].train), median(variants[0].predict))
-    by_m = {int(v.name.split("=")[1]): v for v in variants[1:] if not v.name.endswith("XLA stages")}
+    by_m = {int(v.name.split("=")[1]): v for v in variants[1:] if "," not in v.name.split("=")[1]}
     for v in variants[1:]:
-        if v.name.endswith("XLA stages") and int(v.name.split("=")[1].split(",")[0]) in by_m:
+        if "," in v.name.split("=")[1] and int(v.name.split("=")[1].split(",")[0]) in by_m:
             plain = by_m[int(v.name.split("=")[1].split(",")[0])]
-            print(f"{v.name} against the same M uncompiled: training {fmt(ratio(median(v.train), median(plain.train)), '.2f')}x, "
+            print(f"{v.name} against the same M, GPipe, uncompiled: training {fmt(ratio(median(v.train), median(plain.train)), '.2f')}x, "
                   f"predict {fmt(ratio(median(v.predict), median(plain.predict)), '.2f')}x")
     best_train = max((median(v.train) or 0 for m, v in by_m.items() if m > 1), default=None)
     best_predict = max((median(v.predict) or 0 for m, v in by_m.items() if m > 1), default=None)
@@ -158,6 +165,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--xla-microbatches", type=int, nargs="*", default=[2],
                         help="M of the variants with XLA stages (jit_compile=True; default 2; none: no such variant)")
+    parser.add_argument("--1f1b-microbatches", dest="one_f_one_b", type=int, nargs="*", default=[8],
+                        help="M of the variants with the 1F1B schedule (default 8; none: no such variant)")
     parser.add_argument("--layers", type=int, default=4, help="Dense layers per stage (default 4)")
     parser.add_argument("--width", type=int, default=512, help="units per Dense layer (default 512)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run, 1 repeat")
@@ -178,7 +187,7 @@ def main(argv=None) -> int:
     print(f"Model: 2 stages of {args.layers} Dense({args.width}) each, on {', '.join(devices)}; "
           f"data: {sizes.samples} samples, batch {sizes.batch_size}, {sizes.repeats} repeat(s)")
     cores = free_cores(devices, args.width)
-    variants = make_variants(devices, args.microbatches, args.layers, args.width, args.xla_microbatches)
+    variants = make_variants(devices, args.microbatches, args.layers, args.width, args.xla_microbatches, args.one_f_one_b)
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((sizes.samples, args.width), dtype=np.float32)
     y = rng.integers(0, 10, size=(sizes.samples,), dtype=np.int32)
@@ -189,7 +198,33 @@ def main(argv=None) -> int:
     print()
     print_train_predict_table(variants, "x naive", 24)
     print_checks(variants, cores)
+    print_memory(devices, args, sizes, rng)
     return 0
+
+
+def print_memory(devices, args, sizes, rng) -> None:
+    """A training step's memory above what was held before it: GPipe's schedule against 1F1B's."""
+    rows = 16 * sizes.batch_size
+    x = rng.standard_normal((rows, args.width), dtype=np.float32)
+    y = rng.integers(0, 10, size=(rows,), dtype=np.int32)
+    device = tf.DeviceSpec.from_string(devices[0])
+    name = f"{device.device_type}:{device.device_index or 0}"
+    for m in args.one_f_one_b:
+        peaks = {}
+        for schedule in ("gpipe", "1f1b"):
+            model = kerasmulti.pipeline(build_model(devices, args.layers, args.width), microbatches=m, schedule=schedule)
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", jit_compile=False)
+            model.train_on_batch(x, y)  # traced
+            peaks[schedule] = []
+            for _ in range(sizes.repeats):
+                held = tf.config.experimental.get_memory_info(name)["current"]
+                tf.config.experimental.reset_memory_stats(name)
+                model.train_on_batch(x, y)
+                peaks[schedule].append((tf.config.experimental.get_memory_info(name)["peak"] - held) / 2**20)
+        gpipe, one = median(peaks["gpipe"]), median(peaks["1f1b"])
+        print(f"\nMemory of a training step of {rows} rows above what was held (peak on {name}, M={m}, "
+              f"median of {sizes.repeats}): GPipe {gpipe:.1f} MB, 1F1B {one:.1f} MB ({fmt(ratio(one, gpipe), '.2f')}x); "
+              f"runs: GPipe {[round(p, 1) for p in peaks['gpipe']]}, 1F1B {[round(p, 1) for p in peaks['1f1b']]}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class StepTiming:
         with self._lock:
             self._starts[replica] = start
         with tf.control_dependencies([start]):
-            return tree.map_structure(_waiting_copy, inputs)
+            return tree.map_structure(waiting_copy, inputs)
 
     def end(self, replica: int, outputs) -> None:
         """Notes replica `replica`'s busy time, once `outputs` are computed."""
@@ -176,7 +176,7 @@ class ReplicaTiming:
         """`data`, made to wait for this replica's start time; and the start time."""
         started = _clock_after(data, self._generation)
         with tf.control_dependencies([started]):
-            return tree.map_structure(_waiting_copy, data), started
+            return tree.map_structure(waiting_copy, data), started
 
     def record(self, started, computed, updated, rows) -> None:
         """Adds this replica's step once `computed` (its gradients) and `updated` (the weights) exist."""
@@ -277,7 +277,7 @@ def _median(speeds):
 _readings = itertools.count()
 
 
-def _waiting_copy(t):
+def waiting_copy(t):
     """`t` through an identity, which the surrounding control dependencies hold back; Keras mask kept."""
     if t is None:
         return None

@@ -169,6 +169,7 @@ class LocalParallelModel(ParallelModel):
             return None
         batch, shards, shares = plan.batch, plan.shards, plan.shares
         timing = self._timing if training else None
+        order = self._microbatch_order() if training else None  # a pipeline's 1F1B bound
         trainable = self.trainable_weights if training else []
         self._build_compile_loss(x, y, sample_weight)
         pieces = self._replicas.pieces((x, y, sample_weight), plan)
@@ -176,6 +177,8 @@ class LocalParallelModel(ParallelModel):
         def replica(i):
             _replicas.set_valid(shards[i].counted)
             x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            if order is not None:
+                x_i, y_i, sw_i = order.start(i, (x_i, y_i, sw_i))
             total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)
             part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].sliced, total)
             # Timed, its weights are read after the step's start: the replica's time, not the loop's.
@@ -188,6 +191,8 @@ class LocalParallelModel(ParallelModel):
             gradients = tape.gradient(scaled, trainable) if trainable else []
             if timing:
                 timing.end(i, (y_pred, loss, gradients))
+            if order is not None:
+                order.done(i, gradients)
             return y_pred, loss, gradients
 
         # Synchronised: the replicas' losses need the whole batch's totals
@@ -212,6 +217,10 @@ class LocalParallelModel(ParallelModel):
             loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
         )
         return y_pred, gradients, shards
+
+    def _microbatch_order(self):
+        """Which replica waits for which (`pipeline`'s 1F1B); None: each starts when it can."""
+        return None
 
     def _summed(self, gradients: list, variable):
         """The replicas' gradients of `variable`, summed where `cpu_merge` says."""

@@ -10,6 +10,9 @@ replicas are a parallel model's (`data_parallel/`), all on the first stage's
 device, their placed layers on their own: the loss, metrics, sample weights,
 the losses layers add and BatchNormalization (the whole batch's statistics)
 are the whole batch's, as on one device, and the gradients are summed.
+With `schedule="1f1b"`, micro-batch m starts only once micro-batch m - S
+has its gradients (S stages), so at most S micro-batches' activations are
+kept at once, as in 1F1B (PipeDream-Flush), instead of all M (`schedules.py`).
 
 An unplaced functional or Sequential model with `gpus=N` is cut into N stages
 first: its layers, in the order the graph runs them, are split into N runs
@@ -35,6 +38,7 @@ from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
+from kerasmulti._src.model_parallel import schedules as _schedules
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
 from kerasmulti._src.utils.arguments import is_int
@@ -58,11 +62,13 @@ class PipelineModel(LocalParallelModel):
     ```
     """
 
-    def __init__(self, template, stages, microbatches: int):
+    def __init__(self, template, stages, microbatches: int, schedule: str = "gpipe"):
         # Each part is cut, and the outputs joined, on the host, as parallelize's merge does.
         super().__init__(template, [stages[0]] * microbatches, "/cpu:0")
         self.name = f"pipeline_{template.name}"
         self._stages = list(stages)
+        self._schedule = schedule
+        self._fallback_warned = []  # `schedules.InFlight`: a 1F1B step that runs GPipe's, once
         self._stage_xla = False  # the placed layers' calls as XLA programs (`compile`)
 
     def compile(self, *args, jit_compile="auto", **kwargs):
@@ -100,6 +106,11 @@ class PipelineModel(LocalParallelModel):
         with self._compiled_stages():
             return super().predict_step(data)
 
+    def _microbatch_order(self):
+        if self._schedule == "1f1b" and self.microbatches > len(self._stages):
+            return _schedules.InFlight(len(self._stages), self._template.name, self._fallback_warned)
+        return None
+
     def _summed(self, gradients: list, variable):
         # On the variable's device, its stage's, where the micro-batches' gradients are: none crosses to the host.
         with tf.device(variable.value.device):
@@ -123,6 +134,11 @@ class PipelineModel(LocalParallelModel):
         return list(self._stages)
 
     @property
+    def schedule(self) -> str:
+        """"gpipe" (every forward pass, then every backward pass) or "1f1b" (at most one micro-batch per stage in flight)."""
+        return self._schedule
+
+    @property
     def microbatches(self) -> int:
         """How many micro-batches each batch is cut into (a batch with fewer rows: one per row)."""
         return len(self._replica_devices)
@@ -133,7 +149,7 @@ class PipelineModel(LocalParallelModel):
         return self._template.summary(*args, print_fn=print_fn, **kwargs)
 
 
-def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> PipelineModel:
+def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, schedule: str = "gpipe") -> PipelineModel:
     """Runs a model placed over devices as a pipeline of micro-batches.
 
     Each batch is cut along axis 0 into `microbatches` parts (sizes differ by
@@ -161,6 +177,12 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
             parts overlap more, and each is a smaller step: 4 to 8 per stage
             is a start.
         gpus: Cut an unplaced model into this many stages, at least 2.
+        schedule: "gpipe" runs every micro-batch's forward pass as soon as it
+            can, keeping all their activations until the backward passes;
+            "1f1b" starts micro-batch m once micro-batch m - S has its
+            gradients (S stages), keeping at most S micro-batches'
+            activations, for the same numbers. Not with BatchNormalization
+            (every micro-batch must pass it first) or a step of the model's own.
 
     Returns:
         A `PipelineModel`.
@@ -172,7 +194,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
             model is not built, or comes from `parallelize`; if a placed
             model has one stage and no `gpus`, or a placed model is given
             `gpus`; if a model to cut is not functional or Sequential, or
-            has fewer layers than stages.
+            has fewer layers than stages; for an unknown `schedule`, or
+            "1f1b" with BatchNormalization or a step of the model's own.
         DeviceError: If a stage's device does not exist on this machine.
 
     Example:
@@ -205,6 +228,7 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
     if microbatches < 1:
         raise ValueError(f"pipeline() needs microbatches of at least 1. Received: microbatches={microbatches!r}")
     template = unwrap(model)
+    _schedules.check(schedule, template)
     placed = stage_devices(template)
     if gpus is None:
         if len(placed) < 2:
@@ -227,7 +251,7 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None) -> 
         # Each stage's weights on its device, as device_scope creates them: a model too big for one device fits.
         devices = _variable_stages(template)
         _relocation.relocate(template, lambda variable: devices.get(id(variable)), sharing=[unwrap(model)])
-    piped = PipelineModel(template, stages, int(microbatches))
+    piped = PipelineModel(template, stages, int(microbatches), schedule)
     piped._adopt_template_compile()  # a compiled model (loaded from a file) comes compiled, its optimizer and all
     return piped
 
