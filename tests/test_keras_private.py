@@ -364,21 +364,50 @@ def test_optimizer_accessors_read_what_they_say():
     assert _keras_private.uses_weight_decay(optimizer, kernel) in (True, False)
 
 
-def test_an_optimizer_reindexed_after_its_variables_were_made_anew_updates_the_new_ones():
+def _made_anew(variables, optimizer) -> dict:
+    """Each of `variables` made anew on /cpu:1 with zeros; the optimizer's keys, old to new."""
+    import numpy as np
+
+    old = [_keras_private.variable_key(optimizer, v) for v in variables]
+    for variable in variables:
+        with tf.device("/cpu:1"):
+            _keras_private.reinitialize(variable, np.zeros(variable.shape, "float32"))
+    return dict(zip(old, [_keras_private.variable_key(optimizer, v) for v in variables]))
+
+
+@pytest.mark.parametrize("kind", ["SGD", "AdamW, bias excluded from weight decay", "MultiOptimizer"])
+def test_an_optimizer_rekeyed_after_its_variables_were_made_anew_updates_the_new_ones(kind):
     import numpy as np
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    optimizer = keras.optimizers.SGD(1.0)
-    optimizer.build(model.trainable_variables)
     kernel, bias = model.trainable_variables
-    with tf.device("/cpu:1"):
-        _keras_private.reinitialize(kernel, np.zeros((3, 2), "float32"))
+    if kind == "MultiOptimizer" and not hasattr(keras.optimizers, "MultiOptimizer"):
+        pytest.skip("this Keras has no MultiOptimizer (Keras 3.15 added it)")
+    if kind == "SGD":
+        optimizer = keras.optimizers.SGD(1.0)
+    elif kind == "MultiOptimizer":
+        sgd = keras.optimizers.SGD(1.0)
+        optimizer = keras.optimizers.MultiOptimizer(lambda v: sgd)
+    else:
+        optimizer = keras.optimizers.AdamW(1.0, weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_list=[bias])
+    optimizer.build([kernel, bias])
+    excluded = kind.startswith("AdamW")
+    keys = _made_anew([kernel, bias], optimizer)
     gradients = [np.ones((3, 2), "float32"), np.ones((2,), "float32")]
-    with pytest.raises(ValueError, match="Unknown variable"):  # Keras keys them by the TensorFlow variable
-        optimizer.apply(gradients, [kernel, bias])
-    _keras_private.reindex_optimizer(optimizer)
+    if excluded:  # the exclusion is kept by the TensorFlow variable: lost when it is made anew
+        assert _keras_private.uses_weight_decay(optimizer, bias)
+    else:  # the optimizer finds its variables by their TensorFlow variables
+        with pytest.raises((ValueError, KeyError)):
+            optimizer.apply(gradients, [kernel, bias])
+    _keras_private.rekey_optimizer(optimizer, keys)
+    assert not (excluded and _keras_private.uses_weight_decay(optimizer, bias))
     optimizer.apply(gradients, [kernel, bias])
-    np.testing.assert_array_equal(np.asarray(kernel), -np.ones((3, 2)))
+    if not excluded:
+        np.testing.assert_array_equal(np.asarray(kernel), -np.ones((3, 2)))
+        np.testing.assert_array_equal(np.asarray(bias), -np.ones(2))
+    else:  # Adam's first step moves each by its learning rate; the kernel decays too, from zero
+        np.testing.assert_allclose(np.asarray(bias), -np.ones(2), rtol=1e-5)
 
 
 def test_callback_accessors_read_what_they_say(tmp_path):

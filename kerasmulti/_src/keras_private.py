@@ -287,9 +287,25 @@ def reinitialize(variable, value) -> None:
     variable._initialize(value)
 
 
-def reindex_optimizer(optimizer) -> None:
-    """After `reinitialize`: a built optimizer finds its variables by their TensorFlow variable (`_var_key`)."""
-    optimizer._trainable_variables_indices = {optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+def variable_key(optimizer, variable):
+    """How `optimizer` keys `variable` in its tables (`_var_key`: the TensorFlow variable), which `reinitialize` changes."""
+    return optimizer._var_key(variable)
+
+
+def rekey_optimizer(optimizer, keys: dict) -> None:
+    """After `reinitialize`: `keys` (old to new) in every table `optimizer` keys by variable, and its inner ones'.
+
+    `_trainable_variables_indices`, a MultiOptimizer's `_var_to_optimizer_idx`,
+    the `_exclude_from_weight_decay` set, and the latter's cache (dropped).
+    """
+    inner = [getattr(optimizer, "inner_optimizer", None), *getattr(optimizer, "_inner_optimizers", [])]
+    for part in [optimizer] + [o for o in inner if o is not None]:
+        for name in ("_trainable_variables_indices", "_var_to_optimizer_idx"):
+            if isinstance(getattr(part, name, None), dict):
+                setattr(part, name, {keys.get(k, k): index for k, index in getattr(part, name).items()})
+        if isinstance(getattr(part, "_exclude_from_weight_decay", None), set):
+            part._exclude_from_weight_decay = {keys.get(k, k) for k in part._exclude_from_weight_decay}
+        vars(part).pop("_exclude_from_weight_decay_cache", None)
 
 
 # --- Optimizers -----------------------------------------------------------------
@@ -391,7 +407,7 @@ __all__ = [
     "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
-    "optimizer_trainable_variables", "reindex_optimizer", "reinitialize", "dataset_count", "dataset_inputs", "own_metrics",
+    "optimizer_trainable_variables", "rekey_optimizer", "reinitialize", "variable_key", "dataset_count", "dataset_inputs", "own_metrics",
     "sum_gradients_with", "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",

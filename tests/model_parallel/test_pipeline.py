@@ -407,6 +407,7 @@ def _on_a_missing_device():
      r"pipeline\(\) needs a built model.*Received: model='sequential.*' with built=False"),
     (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=2.0), TypeError, r"gpus as an int, the number of stages\. Received: gpus=2\.0"),
     (lambda seed: _unplaced(seed), dict(microbatches=2, gpus=True), TypeError, r"Received: gpus=True"),
+    (_stacked, dict(microbatches=2, schedule=None), TypeError, r"schedule as a string.*Received: schedule=None"),
     (_stacked, dict(microbatches=2, schedule="pipedream"), ValueError, r"schedule='gpipe' or '1f1b'\. Received: schedule='pipedream'"),
     (lambda seed: _stacked(seed, batchnorm=True), dict(microbatches=4, schedule="1f1b"), ValueError,
      r"every micro-batch must pass it first\. Use schedule='gpipe'\. Received: BatchNormalization=\['batch_normalization"),

@@ -4,11 +4,11 @@
 `pipeline(gpus=N)` moves each stage's to its stage's device. Each variable
 is made anew on its device with its value (`keras_private.reinitialize`, as
 Keras makes variables): the Keras variable stays the same object, its
-TensorFlow variable is new. What held the old one comes along: a built
-optimizer finds its variables again (Keras keys them by TensorFlow
-variable), and the model's traced steps, which captured the old variables
-and would go on training those, are dropped and traced again at the next
-call.
+TensorFlow variable is new. What held the old one comes along: an
+optimizer's tables keyed by TensorFlow variable (its index of variables, a
+`MultiOptimizer`'s map, weight-decay exclusions) are re-keyed, and the
+model's traced steps, which captured the old variables and would go on
+training those, are dropped and traced again at the next call.
 """
 
 from __future__ import annotations
@@ -30,30 +30,28 @@ def relocate(model: keras.Model, device_of: Callable, optimizer_device: str | No
     moved variables. `sharing`: other models holding the same variables (the
     model a pipeline's cut was rebuilt from), brought along as `model` is.
     """
-    for variable in model.variables:
-        _move(variable, device_of(variable))
     models = [model, *sharing]
-    optimizers = [o for m in models for o in _custom_steps.optimizers(m)]
-    for optimizer in {id(o): o for o in optimizers}.values():
+    optimizers = list({id(o): o for m in models for o in _custom_steps.optimizers(m)}.values())
+    moving = [(v, device_of(v)) for v in model.variables]
+    moving = [(v, device) for v, device in moving if device is not None and not _on(v, device)]
+    before = [[keras_private.variable_key(o, v) for v, _ in moving] for o in optimizers]
+    for variable, device in moving:
+        with tf.device(device):
+            keras_private.reinitialize(variable, variable.value.read_value())
+    for optimizer, keys in zip(optimizers, before):
         if optimizer_device is not None:
             for variable in optimizer.variables:
-                _move(variable, optimizer_device)
-        for built in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-            if built is not None and built.built:
-                keras_private.reindex_optimizer(built)
+                if not _on(variable, optimizer_device):
+                    with tf.device(optimizer_device):
+                        keras_private.reinitialize(variable, variable.value.read_value())
+        after = [keras_private.variable_key(optimizer, v) for v, _ in moving]
+        keras_private.rekey_optimizer(optimizer, dict(zip(keys, after)))
     for traced in models:
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(traced, attribute, None)
 
 
-def _move(variable, device: str | None) -> None:
-    if device is None or tf.DeviceSpec.from_string(variable.value.device) == _full(device):
-        return
-    with tf.device(device):
-        keras_private.reinitialize(variable, variable.value.read_value())
-
-
-def _full(device: str) -> tf.DeviceSpec:
-    """`device` as TensorFlow names a variable's device (`/cpu:1` is `/job:localhost/.../device:CPU:1`)."""
-    spec = tf.DeviceSpec.from_string(device)
-    return spec.make_merged_spec(tf.DeviceSpec(job="localhost", replica=0, task=0))
+def _on(variable, device: str) -> bool:
+    """Whether `variable` lives on `device` (`/cpu:1` is `/job:localhost/.../device:CPU:1` there)."""
+    wanted = tf.DeviceSpec.from_string(device).make_merged_spec(tf.DeviceSpec(job="localhost", replica=0, task=0))
+    return tf.DeviceSpec.from_string(variable.value.device) == wanted

@@ -188,8 +188,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
         A `PipelineModel`.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model`, or `microbatches` or
-            `gpus` not an int.
+        TypeError: If `model` is not a `keras.Model`, `microbatches` or
+            `gpus` not an int, or `schedule` not a string.
         ValueError: If `microbatches` or `gpus` is out of range; if the
             model is not built, or comes from `parallelize`; if a placed
             model has one stage and no `gpus`, or a placed model is given

@@ -24,6 +24,8 @@ SCHEDULES = ("gpipe", "1f1b")
 
 def check(schedule, template: keras.Model) -> None:
     """Refuses an unknown schedule, and 1F1B where every micro-batch must pass a point first."""
+    if not isinstance(schedule, str):
+        raise TypeError(f"pipeline() takes schedule as a string, 'gpipe' or '1f1b'. Received: schedule={schedule!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline() takes schedule='gpipe' or '1f1b'. Received: schedule={schedule!r}")
     if schedule == "gpipe":
