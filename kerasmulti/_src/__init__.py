@@ -9,7 +9,7 @@ those listed after it (`model_parallel`'s `remap_devices` also clears what
 - `callbacks/`, `inference/`, `model_parallel/`, `multi_worker/`: what is
   built on data parallelism (and placement, for model_parallel).
 - `data_parallel/`: the parallel model, its training step and its parts.
-- `devices.py`, `cluster.py`, `keras_private.py`, `startup.py`: the
+- `devices.py`, `cluster.py`, `keras_private/`, `startup.py`: the
   process's devices, its cluster membership, every private Keras and
   TensorFlow name used, and what `import kerasmulti` does.
 - `utils/`: atomic file writes, other processes' CPU load, fault points,
