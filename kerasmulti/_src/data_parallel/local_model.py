@@ -223,9 +223,12 @@ class LocalParallelModel(ParallelModel):
         return None
 
     def _summed(self, gradients: list, variable):
-        """The replicas' gradients of `variable`, summed where `cpu_merge` says."""
-        with tf.device(self._merge_device):
+        """The replicas' gradients of `variable`, summed on `_sum_device(variable)`."""
+        with tf.device(self._sum_device(variable)):
             return _split.sum_gradients(gradients)
+
+    def _sum_device(self, variable) -> str:
+        return self._merge_device  # where `cpu_merge` says
 
     def _build_compile_loss(self, x, y, sample_weight):
         """Builds Keras' loss (and its per-output trackers) before the replicas run.

@@ -36,19 +36,22 @@ def relocate(model: keras.Model, device_of: Callable, optimizer_device: str | No
     moving = [(v, device) for v, device in moving if device is not None and not _on(v, device)]
     before = [[keras_private.variable_key(o, v) for v, _ in moving] for o in optimizers]
     for variable, device in moving:
-        with tf.device(device):
-            keras_private.reinitialize(variable, variable.value.read_value())
+        _move(variable, device)
     for optimizer, keys in zip(optimizers, before):
         if optimizer_device is not None:
             for variable in optimizer.variables:
                 if not _on(variable, optimizer_device):
-                    with tf.device(optimizer_device):
-                        keras_private.reinitialize(variable, variable.value.read_value())
+                    _move(variable, optimizer_device)
         after = [keras_private.variable_key(optimizer, v) for v, _ in moving]
         keras_private.rekey_optimizer(optimizer, dict(zip(keys, after)))
     for traced in models:
         for attribute in ("train_function", "test_function", "predict_function"):
             setattr(traced, attribute, None)
+
+
+def _move(variable, device: str) -> None:
+    with tf.device(device):
+        keras_private.reinitialize(variable, variable.value.read_value())
 
 
 def _on(variable, device: str) -> bool:

@@ -33,7 +33,6 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import relocation as _relocation
-from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
@@ -111,10 +110,9 @@ class PipelineModel(LocalParallelModel):
             return _schedules.InFlight(len(self._stages), self._template.name, self._fallback_warned)
         return None
 
-    def _summed(self, gradients: list, variable):
-        # On the variable's device, its stage's, where the micro-batches' gradients are: none crosses to the host.
-        with tf.device(variable.value.device):
-            return _split.sum_gradients(gradients)
+    def _sum_device(self, variable) -> str:
+        # The variable's device, its stage's, where the micro-batches' gradients are: none crosses to the host.
+        return variable.value.device
 
     def _compiled_stages(self):
         """While a step is traced: the placed layers' calls compiled, where `compile` asked for it."""
