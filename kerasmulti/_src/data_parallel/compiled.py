@@ -139,7 +139,7 @@ class CompiledReplicas:
         self._model = model
         self._template = template
         self._merge_device = merge_device
-        self._step = tf.function(self._replica, jit_compile=True, reduce_retracing=True)
+        self._step = tf.function(self._replica, jit_compile=True, reduce_retracing=True, autograph=False)
         self._needs_counts = {}
         self._reads = None  # `_prepare`: the template may be built only by the first step
         self._connected = None  # which variables the loss reaches, found when a training step is traced
@@ -165,7 +165,7 @@ class CompiledReplicas:
         devices = {_packing.device_of(v) for v in everything}
         if len(devices) == 1:
             self._update_device = devices.pop()
-            self._update = tf.function(self._apply, jit_compile=True)
+            self._update = tf.function(self._apply, jit_compile=True, autograph=False)
         else:
             # XLA reads a variable only on its own device: the update runs op by op.
             warnings.warn(
@@ -201,7 +201,8 @@ class CompiledReplicas:
             # Tracing alone tells whether a total needs the other replicas'
             # counts; where none does (most models), this trace is the step's.
             with _replicas.as_replica(0):
-                self._step.get_concrete_function(*arguments[0], None, training, "step")
+                read, *rest = arguments[0]
+                self._step.get_concrete_function(self._reads.split(read), *rest, None, training, "step")
             self._needs_counts[key] = self._traced_needs_counts
         totals = None
         if self._needs_counts[key]:
@@ -237,6 +238,7 @@ class CompiledReplicas:
                 args = arguments[i]
                 if timing:  # the weights read, x, y and sample_weight wait for the start time
                     args = (*timing.start(i, args[:4]), *args[4:])
+                args = (self._reads.split(args[0]), *args[1:])  # on the replica's device
                 results.append(self._step(*args, totals, training, mode))
                 if timing:
                     timing.end(i, results[-1])
@@ -266,7 +268,7 @@ class CompiledReplicas:
     ):
         """One replica's work, traced for XLA: `mode` is "step", "count" or "forward"."""
         template = self._template
-        values = self._reads.unpack(read)
+        values = self._reads.values(read)
         count = len(self._trainable)
         trainable, state = values[:count], values[count:]
         state = [_replicas.seed_of_replica(v, replica) if seed else v for v, seed in zip(state, self._is_seed)]

@@ -8,9 +8,9 @@ sub-models (a GAN's generator and discriminator, a VAE's encoder and decoder)
 runs as one `tf.function(jit_compile=True)` on the replica's device. The
 call's variables are read by one program on their own device, packed into one
 buffer per dtype (`packing.DeviceReads`: XLA cannot reach a variable on another
-device), and taken apart inside the call's program, so a call runs a few
-operations outside XLA whatever its size; it runs in a `keras.StatelessScope`, and
-what it assigns (a Dropout's seed, BatchNormalization's moving statistics) is
+device), and cut into the program's arguments on the replica's device (one
+split per dtype), so a call runs a few operations outside XLA whatever its
+size; it runs in a `keras.StatelessScope`, and what it assigns (a Dropout's seed, BatchNormalization's moving statistics) is
 assigned after it, through the replica context's rules. TensorFlow
 differentiates a function call as a whole: the step's `tape.gradient` runs the
 call's backward pass as a second compiled program, and a nested tape (a
@@ -81,14 +81,14 @@ class CompiledCall:
         self.variables = list(unit.variables)
         self.reads = _packing.DeviceReads(self.variables)  # one program per device reads them all
         self.failed = _not_compilable(unit)
-        self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True)
+        self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True, autograph=False)
 
     def __call__(self, *args, **kwargs):
         if inside() or self.failed:
             self._warn()
             return self.original(*args, **kwargs)
         try:
-            outputs, updates, losses, masks = self._program(self.reads.read(), args, kwargs)
+            outputs, updates, losses, masks = self._program(self.reads.split(self.reads.read()), args, kwargs)
         except NotCompilable:
             self.failed = _local.reason
             self._warn()
@@ -104,7 +104,7 @@ class CompiledCall:
         return outputs
 
     def _stateless(self, read, args, kwargs):
-        values = self.reads.unpack(read)
+        values = self.reads.values(read)
         with _tracing, _WatchedScope(list(zip(self.variables, values)), collect_losses=True) as scope:
             given = [scope.get_current_value(v) for v in self.variables]
             outputs = self.original(*args, **kwargs)

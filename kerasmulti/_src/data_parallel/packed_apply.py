@@ -34,8 +34,8 @@ class PackedApply:
         self.original, self.variables = original, list(variables)
         self.layout = _packing.Layout(gradients)
         self.device = _packing.device_of(self.variables[0])
-        self.pack = tf.function(self._pack, jit_compile=True, reduce_retracing=True)
-        self.update = tf.function(self._update, jit_compile=True)
+        self.pack = tf.function(self._pack, jit_compile=True, reduce_retracing=True, autograph=False)
+        self.update = tf.function(self._update, jit_compile=True, autograph=False)
 
     @staticmethod
     def usable(optimizer, variables, gradients) -> bool:

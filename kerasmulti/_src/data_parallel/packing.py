@@ -6,11 +6,11 @@ operation per variable, so a step's fixed cost would grow with the model
 (~40 us per variable per step on a CPU, ~4 us per operation on a GPU host).
 Instead the compiled step (`compiled.py`) reads every variable of a device
 into one buffer per dtype inside one XLA call (`DeviceReads`), sends the
-buffers to each replica, which takes them apart inside its own XLA program,
-and gets the gradients and new states back packed the same way. Summing,
-taking apart and applying them is again one XLA call (`compiled.py`). Reshapes
-and slices inside XLA cost no copy worth counting; the operations a step runs
-outside XLA stay the same in number whatever the model's size.
+buffers to each replica, where one split per dtype cuts them into the
+arguments of the replica's XLA program, and gets the gradients and new states
+back packed the same way. Summing, taking apart and applying them is again
+one XLA call (`compiled.py`). The operations a step runs outside XLA stay the
+same in number whatever the model's size.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ class Layout:
 
     def unpack(self, flats: dict) -> list:
         """`pack`'s inverse: the tensors, each with its own shape, in the layout's order."""
+        return [tf.reshape(piece, shape) for piece, shape in zip(self.split(flats), self.shapes)]
+
+    def split(self, flats: dict) -> list:
+        """`pack`'s buffers cut into flat pieces, in the layout's order: one split per dtype."""
         pieces = {key: iter(tf.split(flats[key], sizes)) for key, sizes in self.sizes.items()}
-        return [tf.reshape(next(pieces[key]), shape) for key, shape in zip(self.keys, self.shapes)]
+        return [next(pieces[key]) for key in self.keys]
 
 
 def summed(buffers: list) -> dict:
@@ -79,10 +83,10 @@ class DeviceReads:
 
     XLA reads a resource only on its own device, so each device's variables
     are read, and packed one buffer per dtype, by a program of their own;
-    a replica gets every device's buffers and takes them apart (`unpack`).
+    a replica gets every device's buffers, cut (`split`) and shaped (`values`).
 
     Args:
-        variables: The variables, in the order `unpack` returns their values.
+        variables: The variables, in the order `values` returns their values.
     """
 
     def __init__(self, variables):
@@ -93,7 +97,7 @@ class DeviceReads:
         for device in self.devices:
             on_device = [v for v, d in zip(self.variables, self._order) if d == device]
             layout = Layout(on_device)
-            self._reads[device] = (layout, tf.function(_reader(layout, on_device), jit_compile=True))
+            self._reads[device] = (layout, tf.function(_reader(layout, on_device), jit_compile=True, autograph=False))
 
     def read(self) -> list:
         """Each device's buffers, as `{dtype name: flat}` dicts in `devices` order."""
@@ -103,10 +107,20 @@ class DeviceReads:
                 read.append(self._reads[device][1]())
         return read
 
-    def unpack(self, read: list) -> list:
-        """The variables' values from `read`'s buffers, in the variables' order."""
-        values = {d: iter(self._reads[d][0].unpack(flats)) for d, flats in zip(self.devices, read)}
-        return [next(values[device]) for device in self._order]
+    def split(self, read: list) -> list:
+        """`read`'s buffers cut into flat pieces, in the variables' order (outside XLA: see `values`)."""
+        pieces = {d: iter(self._reads[d][0].split(flats)) for d, flats in zip(self.devices, read)}
+        return [next(pieces[device]) for device in self._order]
+
+    def values(self, pieces: list) -> list:
+        """The variables' values, inside a replica's program, from `split`'s pieces.
+
+        The pieces come in as the program's arguments, cut outside it: cut
+        inside, each piece would lie at its own offset of one buffer, and XLA
+        compiles every kernel that reads one anew, where the same layer shapes
+        repeated (ResNet's blocks) otherwise share their kernels.
+        """
+        return [tf.reshape(piece, variable.shape) for piece, variable in zip(pieces, self.variables)]
 
 
 def _reader(layout: Layout, variables):

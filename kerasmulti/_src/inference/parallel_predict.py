@@ -331,7 +331,7 @@ def _predictor(parallel):
     # signature keeps the first, the full and the last batch to two traces.
     step = getattr(parallel, _STEP, None)
     if step is None:
-        step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True)
+        step = tf.function(lambda x: parallel(x, training=False), reduce_retracing=True, autograph=False)
         setattr(parallel, _STEP, step)
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 

@@ -98,7 +98,7 @@ def _gather(strategy, value):
 
 # Made once, traced once per strategy and shape: a tf.function made at every
 # call would retrace every time, and TensorFlow warns about that after five.
-gather_step = tf.function(_gather)
+gather_step = tf.function(_gather, autograph=False)
 
 
 def _batches(dataset) -> int:

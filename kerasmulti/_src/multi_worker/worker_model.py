@@ -293,7 +293,7 @@ def _barrier(strategy):
 
 # Made once, traced once per strategy: a tf.function made at every call would
 # retrace every time, and TensorFlow warns about that after five.
-_barrier_step = tf.function(_barrier)
+_barrier_step = tf.function(_barrier, autograph=False)
 
 
 def _check_monitored_everywhere(strategy, callbacks) -> None:
