@@ -412,15 +412,19 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
 @pytest.mark.slow
 # SIGKILL, and Ctrl-C (SIGINT) at a random moment of the next epoch: Python's
 # KeyboardInterrupt stops fit wherever it lands, the backup stays whole.
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
-def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path, stop, seeded_data):
+@pytest.mark.parametrize(
+    "stop, kind", [(signal.SIGKILL, ""), (signal.SIGINT, ""), (signal.SIGKILL, "--pipeline")],
+    ids=["SIGKILL", "SIGINT", "SIGKILL, pipeline"],
+)
+def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp_path, stop, kind, seeded_data):
     epochs = 6
+    given = [kind] if kind else []
     straight = tmp_path / "straight"
-    process = _start_worker(straight, epochs, "--backup", "--out", str(tmp_path / "straight.npz"))
+    process = _start_worker(straight, epochs, "--backup", *given, "--out", str(tmp_path / "straight.npz"))
     assert process.wait(timeout=300) == 0
 
     resumed = tmp_path / "resumed"
-    process = _start_worker(resumed, epochs, "--backup", interruptible=True)
+    process = _start_worker(resumed, epochs, "--backup", *given, interruptible=True)
     _wait_for(process, "epoch 3 done")
     if stop == signal.SIGINT:
         time.sleep(random.Random(seeded_data).uniform(0, 0.2))  # the test's printed seed replays it
@@ -429,7 +433,7 @@ def test_killed_training_resumes_and_ends_with_an_uninterrupted_runs_weights(tmp
     # turn it into another error first (exit 1). Either way the backup is whole.
     assert process.wait(timeout=120) in ((-stop,) if stop == signal.SIGKILL else (-stop, 1))
     assert (resumed / "backup").exists()
-    process = _start_worker(resumed, epochs, "--backup", "--out", str(tmp_path / "resumed.npz"))
+    process = _start_worker(resumed, epochs, "--backup", *given, "--out", str(tmp_path / "resumed.npz"))
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
     assert "epoch 1 done" not in output and f"epoch {epochs} done" in output  # it continued, not restarted

@@ -14,6 +14,8 @@ import tensorflow as tf
 from cases import StopAfterBatches
 
 import kerasmulti
+from kerasmulti._src import keras_private
+from kerasmulti._src.model_parallel import segments
 from kerasmulti._src.utils import step_ops
 
 assert DEVICES >= 3  # stages on /cpu:1 and /cpu:2; a third device for the cut
@@ -197,6 +199,77 @@ def test_a_pipeline_with_xla_stages_trains_evaluates_and_predicts_with_one_devic
     _assert_same(reference, template, reference.evaluate(**data, **evaluate), piped.evaluate(**data, **evaluate), **close)
     for a, b in zip(keras.tree.flatten(reference.predict(data["x"], verbose=0)), keras.tree.flatten(piped.predict(data["x"], verbose=0))):
         np.testing.assert_allclose(b, a, **close)
+
+
+def _sequential(seed, hidden=4):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,))] + [keras.layers.Dense(12, activation="tanh") for _ in range(hidden)] + [keras.layers.Dense(2)])
+
+
+def _sequential_masked(seed):
+    # The Embedding and the LSTM cannot be XLA programs, BatchNormalization needs every micro-batch:
+    # each a run of its own, uncompiled, between compiled runs of Dense layers; the mask crosses them.
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((5,), dtype="int32"), keras.layers.Embedding(9, 4, mask_zero=True), keras.layers.Dense(6, activation="tanh"),
+        # No bias before BatchNormalization: its gradient is rounding noise, which Adam scales up.
+        keras.layers.LSTM(6, return_sequences=True), keras.layers.Dense(6, use_bias=False), keras.layers.BatchNormalization(),
+        keras.layers.Dense(6, activation="tanh"), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2),
+    ])
+
+
+def _masked_data(rows=26):
+    rng = np.random.default_rng()
+    lengths = rng.integers(1, 6, size=(rows, 1))
+    tokens = np.where(np.arange(5) < lengths, rng.integers(1, 9, size=(rows, 5)), 0).astype("int32")
+    return dict(x=tokens, y=rng.normal(size=(rows, 2)).astype("float32"))
+
+
+@pytest.mark.parametrize("kind", ["dense, sample weights", "embedding, LSTM, batchnorm, mask"])
+def test_a_cut_sequential_model_runs_each_stage_as_one_xla_program_with_one_devices_numbers(kind):
+    build, data = (_sequential, _data("dense")) if kind.startswith("dense") else (_sequential_masked, _masked_data())
+    reference, template = build(4), build(4)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    piped = kerasmulti.pipeline(template, gpus=2, microbatches=4)
+    piped.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], jit_compile=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        expected, got = reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history
+    uncompiled = sorted(str(w.message).split("'")[1] for w in record if "runs uncompiled" in str(w.message))
+    assert [re.sub(r"_\d+$", "", name) for name in uncompiled] == ([] if kind.startswith("dense") else ["embedding", "lstm"])
+    close = dict(rtol=1e-4, atol=1e-5)  # XLA's own rounding, as Keras' XLA step's
+    _assert_same(reference, template, expected, got, **close)
+    np.testing.assert_allclose(piped.predict(data["x"], verbose=0), reference.predict(data["x"], verbose=0), **close)
+
+
+def test_only_a_chain_of_placed_layers_is_run_as_segments():
+    assert [device for device, _ in segments.runs(kerasmulti.unwrap(kerasmulti.pipeline(_stacked(1), 2)))] == [
+        "/device:CPU:1", "/device:CPU:2"]  # device_scope's functional chain: one segment per stage
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((6,))
+    with kerasmulti.device_scope("/cpu:1"):
+        hidden = keras.layers.Dense(6)(inputs)
+    with kerasmulti.device_scope("/cpu:2"):
+        outputs = keras.layers.Dense(2)(keras.layers.Add()([inputs, hidden]))  # a branch: not a chain
+    assert segments.runs(keras.Model(inputs, outputs)) is None
+    assert segments.runs(_sequential(1)) is None  # nothing placed
+
+
+def test_a_cut_sequential_models_xla_programs_do_not_grow_with_its_layers():
+    # One program per stage and micro-batch (its forward, its gradient, its weights' read);
+    # 16 a step at 3 layers and at 7; one per placed layer before: 24 at 3 layers, 56 at 7.
+    counts = []
+    for hidden in (2, 6):
+        piped = kerasmulti.pipeline(_sequential(4, hidden), gpus=2, microbatches=2)
+        piped.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        data = _data("dense")
+        piped.fit(data["x"], data["y"], batch_size=10, epochs=1, verbose=0)
+        batches = iter(tf.data.Dataset.from_tensors((data["x"][:10], data["y"][:10])).repeat())
+        piped.train_function(batches)
+        counts.append(step_ops.count(lambda: piped.train_function(batches), steps=2).xla_programs)
+    if keras_private.tensorflow_version() < (2, 21):
+        pytest.skip(f"TensorFlow {tf.__version__}'s XLA runtime on CPUs records no event per program: {counts}")
+    assert counts[0] == counts[1] > 0, counts
 
 
 @pytest.mark.parametrize("jit_compile", [True, False])

@@ -1,7 +1,7 @@
 """A training job for the kill and resume tests, run as a separate process.
 
     python train_checkpointed.py FOLDER EPOCHS [--backup | --keras-backup] [--keras-checkpoint]
-                                 [--snapshots] [--out weights.npz]
+                                 [--snapshots] [--pipeline] [--out weights.npz]
 
 Trains a seeded model data-parallel on 2 simulated devices with a
 ParallelModelCheckpoint saving FOLDER/ckpt.keras after every batch
@@ -12,6 +12,8 @@ ParallelBackupAndRestore in FOLDER/backup (--keras-backup: Keras' own
 BackupAndRestore, the control of the backup crash tests, with the same crash
 point after its weights file). --snapshots writes the weights after each
 batch's checkpoint to FOLDER/snapshot-N.npz (N counts batches from 1).
+--pipeline trains the model cut into 2 pipeline stages of 4 micro-batches
+(`kerasmulti.pipeline(model, gpus=2, microbatches=4)`) instead.
 Prints one line per epoch so the parent knows how far it got.
 """
 
@@ -34,6 +36,7 @@ parser.add_argument("--backup", action="store_true")
 parser.add_argument("--keras-backup", action="store_true")
 parser.add_argument("--keras-checkpoint", action="store_true")
 parser.add_argument("--snapshots", action="store_true")
+parser.add_argument("--pipeline", action="store_true")
 parser.add_argument("--out")
 args = parser.parse_args()
 
@@ -44,7 +47,7 @@ model = keras.Sequential(
 rng = np.random.default_rng(0)
 x = rng.normal(size=(96, 16)).astype("float32")
 y = rng.normal(size=(96, 4)).astype("float32")
-parallel = kerasmulti.parallelize(model, gpus=2)
+parallel = kerasmulti.pipeline(model, gpus=2, microbatches=4) if args.pipeline else kerasmulti.parallelize(model, gpus=2)
 parallel.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
 checkpoint = os.path.join(args.folder, "ckpt.keras")
 if args.keras_checkpoint:

@@ -80,7 +80,7 @@ class CompiledCall:
         self.original = type(unit).call.__get__(unit)
         self.variables = list(unit.variables)
         self.reads = _packing.DeviceReads(self.variables)  # one program per device reads them all
-        self.failed = _not_compilable(unit)
+        self.failed = not_compilable(unit)
         self._program = tf.function(self._stateless, jit_compile=True, reduce_retracing=True, autograph=False)
 
     def __call__(self, *args, **kwargs):
@@ -165,7 +165,7 @@ def calls(template: keras.Model) -> list:
     return [(unit, "call", CompiledCall(unit)) for unit in units(template)]
 
 
-def _not_compilable(unit) -> str | None:
+def not_compilable(unit) -> str | None:
     """Why `unit`'s calls cannot be XLA programs, known before they are traced; None if they can."""
     layers = keras_private.flatten_layers(unit)
     unsupported = [layer.name for layer in layers if not layer.supports_jit]

@@ -100,7 +100,7 @@ class OnDevice(keras.layers.Layer):
         if isinstance(scope, contextlib.nullcontext):
             with _scopes.suspended():
                 return self.layer(inputs, *args, **kwargs)
-        return _on_device_with_gradients(self.layer, self.device, inputs, args, kwargs)
+        return call_on_device(self.layer, self.device, inputs, args, kwargs)
 
     def compute_output_spec(self, inputs, *args, training=None, mask=None, **kwargs):
         # A symbolic call, not compute_output_spec: it also builds the layer,
@@ -178,7 +178,7 @@ def _shared_layer(layer_config, layer_id):
     return layer
 
 
-def _on_device_with_gradients(layer, device, inputs, args, kwargs):
+def call_on_device(layer, device, inputs, args, kwargs):
     """Calls `layer` on `device`, and computes its gradients there too.
 
     A gradient tape builds the backward pass under the device scope active

@@ -38,6 +38,7 @@ from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
 from kerasmulti._src.model_parallel import schedules as _schedules
+from kerasmulti._src.model_parallel import segments as _segments
 from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
 from kerasmulti._src.utils.arguments import is_int
@@ -69,12 +70,14 @@ class PipelineModel(LocalParallelModel):
         self._schedule = schedule
         self._fallback_warned = []  # `schedules.InFlight`: a 1F1B step that runs GPipe's, once
         self._stage_xla = False  # the placed layers' calls as XLA programs (`compile`)
+        self._segments = None  # (the template's layers, `segments.runs` of them), found at the first step
 
     def compile(self, *args, jit_compile="auto", **kwargs):
         """Configures training as `keras.Model.compile`.
 
-        `jit_compile` runs each placed layer's call, and its gradient, as an
-        XLA program on its stage's device: True forces it, "auto" turns it on
+        `jit_compile` runs the placed layers' calls, and their gradients, as
+        XLA programs on their stages' devices (one per stage where the layers
+        form a chain, `segments.py`): True forces it, "auto" turns it on
         where every stage is a GPU (as Keras turns XLA on with a GPU), False
         keeps the stages uncompiled. BatchNormalization layers run uncompiled
         (their statistics are the whole batch's), and so does a placed
@@ -118,6 +121,11 @@ class PipelineModel(LocalParallelModel):
         """While a step is traced: the placed layers' calls compiled, where `compile` asked for it."""
         if not self._stage_xla:
             return contextlib.nullcontext()
+        layers = [id(layer) for layer in self._template.layers]
+        if self._segments is None or self._segments[0] != layers:
+            self._segments = (layers, _segments.runs(self._template))
+        if self._segments[1] is not None:  # a placed Sequential model: one program per stage
+            return _segments.compiled(self._template, self._segments[1])
         placed = []
         for wrapper in keras_private.flatten_layers(self._template, include_self=False):
             layer = getattr(wrapper, "layer", None)
