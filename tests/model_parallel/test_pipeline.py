@@ -255,6 +255,24 @@ def test_only_a_chain_of_placed_layers_is_run_as_segments():
     assert segments.runs(_sequential(1)) is None  # nothing placed
 
 
+def test_a_sub_model_holding_batchnorm_runs_alone_and_is_named_in_the_warning():
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        block = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, use_bias=False), keras.layers.BatchNormalization()], name="block")
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), block, keras.layers.Dense(2)])
+
+    data = _data("dense")
+    reference, template = build(6), build(6)
+    reference.compile(optimizer="sgd", loss="mse")
+    piped = kerasmulti.pipeline(template, gpus=2, microbatches=2)
+    piped.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    found = segments.runs(kerasmulti.unwrap(piped))
+    assert [type(unit).__name__ for _, unit in found] == ["Segment", "OnDevice", "Segment"]  # the Dense before it compiles
+    with pytest.warns(UserWarning, match=r"Model 'block' runs uncompiled: it .*BatchNormalization"):
+        expected, got = reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history
+    _assert_same(reference, template, expected, got, rtol=1e-4, atol=1e-5)
+
+
 def test_a_cut_sequential_models_xla_programs_do_not_grow_with_its_layers():
     # One program per stage and micro-batch (its forward, its gradient, its weights' read);
     # 16 a step at 3 layers and at 7; one per placed layer before: 24 at 3 layers, 56 at 7.

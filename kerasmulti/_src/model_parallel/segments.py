@@ -65,7 +65,7 @@ def runs(template) -> list | None:
             current.clear()
 
     for wrapper in wrappers:
-        if _batchnorm(wrapper) or _compiled_calls.not_compilable(wrapper.layer):
+        if _holds_batchnorm(wrapper) or _compiled_calls.not_compilable(wrapper.layer):
             close()
             found.append((None, wrapper))
         else:
@@ -103,6 +103,11 @@ def compiled(template, found: list):
 
 def _batchnorm(wrapper) -> bool:
     return isinstance(wrapper.layer, keras.layers.BatchNormalization)
+
+
+def _holds_batchnorm(wrapper) -> bool:
+    # A sub-model holding one runs alone too, as a placed layer: it warns, naming itself.
+    return any(isinstance(layer, keras.layers.BatchNormalization) for layer in keras_private.flatten_layers(wrapper.layer))
 
 
 def _chain(template) -> list | None:
