@@ -10,8 +10,9 @@ call's variables are read by one program on their own device, packed into one
 buffer per dtype (`packing.DeviceReads`: XLA cannot reach a variable on another
 device), and cut into the program's arguments on the replica's device (one
 split per dtype), so a call runs a few operations outside XLA whatever its
-size; it runs in a `keras.StatelessScope`, and what it assigns (a Dropout's seed, BatchNormalization's moving statistics) is
-assigned after it, through the replica context's rules. TensorFlow
+size; it runs in a `keras.StatelessScope`, and what it assigns (a Dropout's
+seed, BatchNormalization's moving statistics) is assigned after it, through
+the replica context's rules. TensorFlow
 differentiates a function call as a whole: the step's `tape.gradient` runs the
 call's backward pass as a second compiled program, and a nested tape (a
 gradient penalty) differentiates that one in turn.
