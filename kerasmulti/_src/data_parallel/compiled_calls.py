@@ -12,10 +12,10 @@ device), and cut into the program's arguments on the replica's device (one
 split per dtype), so a call runs a few operations outside XLA whatever its
 size; it runs in a `keras.StatelessScope`, and what it assigns (a Dropout's
 seed, BatchNormalization's moving statistics) is assigned after it, through
-the replica context's rules. TensorFlow
-differentiates a function call as a whole: the step's `tape.gradient` runs the
-call's backward pass as a second compiled program, and a nested tape (a
-gradient penalty) differentiates that one in turn.
+the replica context's rules. TensorFlow differentiates a function call as a
+whole: the step's `tape.gradient` runs the call's backward pass as a second
+compiled program, and a nested tape (a gradient penalty) differentiates that
+one in turn.
 
 A call that reaches a meeting point (a metric updated inside `call`,
 BatchNormalization whose statistics are the whole batch's) cannot be one
