@@ -124,7 +124,7 @@ class PipelineModel(LocalParallelModel):
         layers = [id(layer) for layer in self._template.layers]
         if self._segments is None or self._segments[0] != layers:
             self._segments = (layers, _segments.runs(self._template))
-        if self._segments[1] is not None:  # a placed Sequential model: one program per stage
+        if self._segments[1] is not None:  # a chain of placed layers: one program per stage
             return _segments.compiled(self._template, self._segments[1])
         placed = []
         for wrapper in keras_private.flatten_layers(self._template, include_self=False):
