@@ -46,6 +46,7 @@ from workers.custom_models import (
 )
 
 import kerasmulti
+from kerasmulti._src.data_parallel import balance as _balance
 from kerasmulti._src.utils import step_ops
 
 ROWS, BATCH = 26, 8
@@ -88,7 +89,7 @@ def _case_data(kind):
     return _data(kind)
 
 
-def _trained(case, batch_size, wrap, **options):
+def _trained(case, batch_size, wrap, callbacks=(), **options):
     """(reference, template, parallel): the case's model on one device, and wrapped by `wrap`, fitted alike."""
     build, compile_, kind = CASES[case]
     data = _case_data(kind)
@@ -98,7 +99,7 @@ def _trained(case, batch_size, wrap, **options):
     expected = reference.fit(**data, **fit).history
     parallel = wrap(template)
     compile_(parallel, **options)
-    assert_same_logs(expected, parallel.fit(**data, **fit).history)
+    assert_same_logs(expected, parallel.fit(**data, callbacks=list(callbacks), **fit).history)
     assert_same_weights(reference, template)
     return reference, template, parallel
 
@@ -115,6 +116,26 @@ def test_a_custom_step_trains_with_one_devices_numbers(case, batch_size, jit_com
         assert int(template.steps_taken.numpy()) == int(reference.steps_taken.numpy()) == 2 * -(-ROWS // batch_size)
     if case.startswith(("GAN", "WGAN-GP")):
         assert int(template.d_optimizer.iterations.numpy()) == int(reference.d_optimizer.iterations.numpy())
+
+
+@pytest.mark.parametrize("case", ["GAN", "VAE"])
+def test_the_monitor_and_an_auto_split_time_a_custom_step_without_changing_its_numbers(case, monkeypatch):
+    # The template's own step is timed as Keras' is: rows and busy time per
+    # replica for the monitor, and the speeds "auto" sizes the sub-batches by.
+    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 3)  # 4 steps an epoch: settled in the second
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    wrap = functools.partial(kerasmulti.parallelize, gpus=DEVICES, split="auto")
+    _, _, parallel = _trained(case, BATCH, wrap, callbacks=[monitor])
+    assert parallel._auto_split.settled and sum(parallel.split) == pytest.approx(1.0)
+    first, second = monitor.records
+    assert first["samples"] == second["samples"] == ROWS
+    rows = [d["rows"] for d in first["devices"].values()]  # even in the first epoch
+    assert sum(rows) == ROWS and max(rows) - min(rows) <= 4  # 26 rows in batches of 8 (the last 2)
+    assert all(d["busy_seconds"] > 0 for d in second["devices"].values())
+    assert 0 < second["compute_seconds"] <= second["step_seconds"]
+    parts = second["compute_seconds"] + second["merge_update_seconds"] + second["loop_seconds"]
+    assert parts == pytest.approx(second["step_seconds"])
 
 
 @pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss"])

@@ -295,12 +295,16 @@ class CustomSteps:
         self.overridden = overridden(template)
         self.compiles = False  # the model calls in each replica's step, with XLA (`compiled_calls`)
 
-    def run(self, step: str, data):
-        """The template's `step` ("train_step" or "test_step") on every replica; the merged logs."""
+    def run(self, step: str, data, timing=None):
+        """The template's `step` ("train_step" or "test_step") on every replica.
+
+        Returns the merged logs and the shards that ran; `timing`
+        (`balance.StepTiming`), if given, gets each replica's busy time.
+        """
         template, replicas = self._template, self._replicas
         plan = replicas.plan(_split.batch_size(data, "data"))
         if len(plan.shards) == 1:
-            return getattr(template, step)(data)
+            return getattr(template, step)(data), plan.shards
         pieces = replicas.pieces(data, plan)
         shares = plan.shares
         self._build_compiled_loss(data)
@@ -308,13 +312,16 @@ class CustomSteps:
         def replica(i):
             _replicas.set_valid(plan.shards[i].counted)
             _replicas.set_gradient_share(shares[i])  # `_optimizer_apply` scales its gradients so
-            return getattr(template, step)(pieces[i])
+            logs = getattr(template, step)(timing.start(i, pieces[i]) if timing else pieces[i])
+            if timing:
+                timing.end(i, logs)
+            return logs
 
         _run.shares, _run.shards, _run.merge_device = shares, plan.shards, replicas.merge_device
         with _replica_context(template, self.compiles):
             logs = replicas.run(plan, replica, synchronized=True)
         with tf.device(replicas.merge_device):
-            return _merged_logs(logs, shares)
+            return _merged_logs(logs, shares), plan.shards
 
     def predict(self, data):
         """The template's `predict_step` on every replica's rows; the outputs joined in order."""

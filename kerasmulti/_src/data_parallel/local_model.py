@@ -125,32 +125,35 @@ class LocalParallelModel(ParallelModel):
         return self._replicas.merge(self._replicas.run(plan, replica, synchronized), plan)
 
     def train_step(self, data):
+        timing = self._timing
+        started = timing.step_start(data) if timing is not None else None
         if self._custom is not None:
-            return self._custom.run("train_step", data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if self._timing is not None:
-            started = self._timing.step_start(x)
-        step = self._replica_step(x, y, sample_weight, training=True)
-        if step is None:
-            logs = super().train_step(data)
-            rows = _split.batch_size(x)
-            shards = [_split.Shard(0, rows, rows)]
+            logs, shards = self._custom.run("train_step", data, timing)
         else:
-            y_pred, gradients, shards = step
-            if not self.trainable_weights:
-                warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-            elif gradients is not None:
-                self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
-            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if self._timing is not None:
-            busy, rows = self._timing.record(shards, started, self._updated_weights())
+            logs, shards = self._keras_train_step(data)
+        if timing is not None:
+            busy, rows = timing.record(shards, started, self._updated_weights())
             if self._auto_split is not None:
                 self._auto_split.observe(busy, rows)
         return logs
 
+    def _keras_train_step(self, data):
+        """Keras' training step over the replicas; its logs and the shards that ran."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = self._replica_step(x, y, sample_weight, training=True)
+        if step is None:
+            rows = _split.batch_size(x)
+            return super().train_step(data), [_split.Shard(0, rows, rows)]
+        y_pred, gradients, shards = step
+        if not self.trainable_weights:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=3)
+        elif gradients is not None:
+            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), shards
+
     def test_step(self, data):
         if self._custom is not None:
-            return self._custom.run("test_step", data)
+            return self._custom.run("test_step", data)[0]
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = self._replica_step(x, y, sample_weight, training=False)
         if step is None:
