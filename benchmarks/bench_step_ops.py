@@ -19,10 +19,11 @@ the machine's load) for one `train_on_batch` step, averaged over a few:
   on the ResNet50-shaped model;
 - the step time of bare XLA and of the parallel step on those two models,
   interleaved repeats (a timing: it does depend on the machine's load);
-- where `ThroughputMonitor`'s loop time goes as the variables grow: its
-  `loop_seconds` at 50 and 600 vectors beside the call of an XLA function
-  that only reads every variable (what passing them to a step costs; bare
-  Keras' step pays it too) and of one that reads one.
+- where `ThroughputMonitor`'s time outside the step goes as the variables
+  grow: its `loop_seconds` (Keras' loop between the calls of the step) and
+  `input_call_seconds` (the call itself) at 50 and 600 vectors, beside the
+  call of an XLA function that only reads every variable (what passing them
+  to a step costs; bare Keras' step pays it too) and of one that reads one.
 
 Targets (issue "one step engine"): at most 100 operations per step outside
 XLA for 2 devices on the ResNet50-shaped model, float32 and mixed_float16,
@@ -153,6 +154,7 @@ def loop_time(devices, batch, repeats: int) -> None:
         first = tf.function(lambda: tf.reduce_sum(variables[0]), jit_compile=True)
         rows[count] = {
             "monitor's loop_seconds": median([r["loop_seconds"] for r in monitor.records[1:]]),
+            "monitor's input_call_seconds": median([r["input_call_seconds"] for r in monitor.records[1:]]),
             "XLA function reading every variable": _per_call(reads),
             "XLA function reading one": _per_call(first),
         }

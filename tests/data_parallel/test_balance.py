@@ -248,7 +248,8 @@ def test_the_monitor_measures_one_device_for_a_baseline():
     # One replica: the step inside is its compute, nothing to merge.
     assert record["merge_update_seconds"] == pytest.approx(0.0, abs=1e-6)
     assert record["compute_seconds"] >= 0.032  # 32 rows at 1 ms a row
-    assert record["compute_seconds"] + record["loop_seconds"] == pytest.approx(record["step_seconds"])
+    parts = record["compute_seconds"] + record["input_call_seconds"] + record["loop_seconds"]
+    assert parts == pytest.approx(record["step_seconds"])
 
 
 class _SlowLoop(keras.callbacks.Callback):
@@ -284,9 +285,40 @@ def test_the_monitor_reports_the_wall_clock_of_a_model_whose_time_goes_outside_t
     assert record["step_seconds"] == pytest.approx(record["seconds"] / steps)
     assert record["samples_per_second"] == pytest.approx(96 / record["seconds"])
     assert record["loop_seconds"] >= _SlowLoop.SECONDS
-    parts = record["compute_seconds"] + record["merge_update_seconds"] + record["loop_seconds"]
+    # Arrays in memory keep no step waiting long: the sleeps are the loop's, not the call's.
+    assert 0 <= record["input_call_seconds"] < _SlowLoop.SECONDS
+    parts = sum(record[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
     assert parts == pytest.approx(record["step_seconds"])
-    assert "loop/input" in capsys.readouterr().out
+    assert " + input/call " in capsys.readouterr().out
+
+
+def test_the_monitor_books_a_slow_input_pipeline_in_the_call_of_the_step_not_in_the_loop():
+    # Each batch takes 60 ms to make, inside the call of the step function:
+    # nothing prefetches it (tf.data would add a prefetch by itself).
+    seconds = 0.06
+
+    def slow(x, y):
+        time.sleep(seconds)
+        return x, y
+
+    x, y = _data(96)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.inject_prefetch = False
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(24).map(
+        lambda a, b: tf.numpy_function(slow, [a, b], (tf.float32, tf.float32), stateful=False)
+    ).map(lambda a, b: (tf.ensure_shape(a, [None, 8]), tf.ensure_shape(b, [None, 1]))).with_options(options)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    parallel.fit(data, epochs=2, verbose=0, callbacks=[monitor])
+    record = monitor.records[-1]
+    # Each call waits the whole sleep for its batch; the loop between calls does not.
+    assert record["input_call_seconds"] >= seconds
+    assert record["loop_seconds"] < seconds
+    parts = sum(record[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
+    assert parts == pytest.approx(record["step_seconds"])
 
 
 def test_the_monitor_says_once_how_to_install_a_missing_tensorboard(monkeypatch, tmp_path):

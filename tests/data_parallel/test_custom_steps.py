@@ -134,7 +134,7 @@ def test_the_monitor_and_an_auto_split_time_a_custom_step_without_changing_its_n
     assert sum(rows) == ROWS and max(rows) - min(rows) <= 4  # 26 rows in batches of 8 (the last 2)
     assert all(d["busy_seconds"] > 0 for d in second["devices"].values())
     assert 0 < second["compute_seconds"] <= second["step_seconds"]
-    parts = second["compute_seconds"] + second["merge_update_seconds"] + second["loop_seconds"]
+    parts = sum(second[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
     assert parts == pytest.approx(second["step_seconds"])
 
 

@@ -416,6 +416,8 @@ def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp
             assert stepped <= record["seconds"] <= spanned
             assert record["samples_per_second"] == pytest.approx(192 / record["seconds"])
             assert record["step_seconds"] == pytest.approx(record["seconds"] / 4)
+            parts = sum(record[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
+            assert parts == pytest.approx(record["step_seconds"])
     printed = [line for line in result.stdout.splitlines() if "samples/s; step" in line]
     assert len(printed) == 2 and all(line.startswith("[worker 0]") for line in printed), result.stdout[-3000:]
     # Shuffled arrays keep their length through the workers' pipeline.

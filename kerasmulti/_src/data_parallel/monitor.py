@@ -10,9 +10,12 @@ The headline figures are the wall clock's, as Keras' progress bar shows them:
 samples per second are rows over the epoch's training time (the epoch's start
 to its last batch's end, validation excluded), and the step time is that time
 over the steps. The clocks inside the step split it into the replicas'
-compute, the merge and update, and the rest, outside the step: Keras' loop,
-the input pipeline and the callbacks, which on a small, fast model can be
-most of it.
+compute and the merge and update; the monitor's own callbacks time Keras'
+loop between the calls of the step function (the callbacks, the progress
+bar), and the rest is the call itself: passing the step function the
+model's variables (which bare Keras' step pays too), its wait for the batch
+(the input pipeline) and returning its logs. On a small, fast model the
+last two can be most of the step.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
     `throughput/` (TensorBoard must be installed: `pip install tensorboard`).
     Samples per second and the step time are the wall clock's, as in Keras'
     progress bar; the step time is split into the replicas' compute
-    (`compute_seconds`), the merge and update (`merge_update_seconds`), and
-    Keras' loop, input and callbacks (`loop_seconds`). The figures are added
+    (`compute_seconds`), the merge and update (`merge_update_seconds`), the
+    call of the step function with its wait for the batch
+    (`input_call_seconds`), and Keras' loop between the calls, callbacks
+    included (`loop_seconds`). The figures are added
     up inside the step and read once per epoch. The first epoch includes
     tracing and compiling.
 
@@ -106,15 +111,19 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.model._timing.reset()  # the epoch's figures start from zero
         self._first, self._last = time.perf_counter(), None  # as Keras' progress bar
+        self._between, self._since = 0.0, self._first  # Keras' loop between the calls of the step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._between += time.perf_counter() - self._since
 
     def on_train_batch_end(self, batch, logs=None):
-        self._last = time.perf_counter()
+        self._last = self._since = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
         figures = self.model._timing.take()  # across workers, a collective each one runs
         if self._last is None:  # no batch ran (the data ran out)
             return
-        record = self._record(epoch, figures, self._last - self._first)
+        record = self._record(epoch, figures, self._last - self._first, self._between)
         self.records.append(record)
         if self.verbose and _cluster.is_chief():
             print(_line(record))
@@ -126,7 +135,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             self._writer.close()
             self._writer = None
 
-    def _record(self, epoch, figures, seconds) -> dict:
+    def _record(self, epoch, figures, seconds, between) -> dict:
         devices = self.model._timing.devices
         steps = max(int(figures["steps"]), 1)
         rows, busy = figures["rows"], figures["busy"]
@@ -152,8 +161,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
             "imbalance": float(busy[used].max() / busy[used].min()) if used.any() and busy[used].min() > 0 else 1.0,
             "split": self.model.split,
         }
-        inside = record["compute_seconds"] + record["merge_update_seconds"]
-        record["loop_seconds"] = max(record["step_seconds"] - inside, 0.0)
+        outside = max(record["step_seconds"] - record["compute_seconds"] - record["merge_update_seconds"], 0.0)
+        record["loop_seconds"] = min(between / steps, outside)
+        record["input_call_seconds"] = outside - record["loop_seconds"]
         if self.baseline is not None:
             record["scaling_efficiency"] = record["samples_per_second"] / (self.baseline * len(devices))
         return record
@@ -168,6 +178,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 "step_seconds",
                 "compute_seconds",
                 "merge_update_seconds",
+                "input_call_seconds",
                 "loop_seconds",
                 "imbalance",
                 "scaling_efficiency",
@@ -196,7 +207,8 @@ def _line(record) -> str:
         f"Epoch {record['epoch']}: {record['samples_per_second']:.0f} samples/s; step "
         f"{record['step_seconds'] * 1e3:.1f} ms = replicas {record['compute_seconds'] * 1e3:.1f} ms + "
         f"merge/update {record['merge_update_seconds'] * 1e3:.1f} ms + "
-        f"loop/input {record['loop_seconds'] * 1e3:.1f} ms; {per_device}; "
+        f"input/call {record['input_call_seconds'] * 1e3:.1f} ms + loop {record['loop_seconds'] * 1e3:.1f} ms; "
+        f"{per_device}; "
         f"imbalance {record['imbalance']:.2f}x"
     )
     if "scaling_efficiency" in record:
