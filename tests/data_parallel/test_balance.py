@@ -267,7 +267,8 @@ class _SlowLoop(keras.callbacks.Callback):
         self.seconds = time.perf_counter() - self.started
 
 
-def test_the_monitor_reports_the_wall_clock_of_a_model_whose_time_goes_outside_the_step(capsys):
+@pytest.mark.parametrize("slow_first", [True, False], ids=["slow-callback-first", "monitor-first"])
+def test_the_monitor_reports_the_wall_clock_of_a_model_whose_time_goes_outside_the_step(capsys, slow_first):
     # A tiny MLP's step is well under a millisecond; Keras' loop (here slowed
     # by 50 ms a batch) is what the user waits for, and what the progress
     # bar shows. The monitor's headline figures are the wall clock's.
@@ -276,7 +277,9 @@ def test_the_monitor_reports_the_wall_clock_of_a_model_whose_time_goes_outside_t
     parallel.compile(optimizer="adam", loss="mse")
     slow, monitor = _SlowLoop(), kerasmulti.ThroughputMonitor()
     x, y = _data(96)
-    parallel.fit(x, y, batch_size=24, epochs=2, verbose=0, callbacks=[slow, monitor])
+    # Wherever the slow callback is listed, its time is the loop's.
+    callbacks = [slow, monitor] if slow_first else [monitor, slow]
+    parallel.fit(x, y, batch_size=24, epochs=2, verbose=0, callbacks=callbacks)
     record = monitor.records[-1]
     steps = 4
     # Bounds that hold on any machine: the sleeps are the least the epoch
@@ -319,6 +322,47 @@ def test_the_monitor_books_a_slow_input_pipeline_in_the_call_of_the_step_not_in_
     assert record["loop_seconds"] < seconds
     parts = sum(record[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
     assert parts == pytest.approx(record["step_seconds"])
+
+
+def _frozen_mlp():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+    model.trainable = False
+    return model
+
+
+def test_the_monitor_times_a_step_that_updates_no_weight_from_its_batch_to_its_logs():
+    # Nothing is updated, so the step's end is its logs, after its start.
+    parallel = kerasmulti.parallelize(_frozen_mlp(), gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    x, y = _data(96)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras': the model does not have any trainable weights
+        parallel.fit(x, y, batch_size=24, epochs=2, verbose=0, callbacks=[monitor])
+    for record in monitor.records:
+        assert record["compute_seconds"] > 0 and record["merge_update_seconds"] >= 0
+        assert all(d["busy_seconds"] > 0 for d in record["devices"].values())
+        assert 0 <= record["input_call_seconds"] <= record["step_seconds"]
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise KeyboardInterrupt
+
+
+def test_the_monitor_gives_back_the_step_function_after_fit_and_after_an_interrupted_fit():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = _data(48)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C: no on_train_end, the timing wrapper stays
+        parallel.fit(x, y, batch_size=24, verbose=0, callbacks=[kerasmulti.ThroughputMonitor(verbose=0), _Interrupt()])
+    step = getattr(parallel.train_function, "_kerasmulti_untimed")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    parallel.fit(x, y, batch_size=24, epochs=2, verbose=0, callbacks=[monitor])
+    assert parallel.train_function is step  # unwrapped once, not a wrapper of a wrapper
+    (_, record) = monitor.records
+    assert record["samples"] == 48 and 0 <= record["input_call_seconds"] <= record["step_seconds"]
 
 
 def test_the_monitor_says_once_how_to_install_a_missing_tensorboard(monkeypatch, tmp_path):

@@ -134,8 +134,33 @@ def test_the_monitor_and_an_auto_split_time_a_custom_step_without_changing_its_n
     assert sum(rows) == ROWS and max(rows) - min(rows) <= 4  # 26 rows in batches of 8 (the last 2)
     assert all(d["busy_seconds"] > 0 for d in second["devices"].values())
     assert 0 < second["compute_seconds"] <= second["step_seconds"]
+    assert 0 <= second["input_call_seconds"] <= second["step_seconds"]
     parts = sum(second[f"{part}_seconds"] for part in ("compute", "merge_update", "input_call", "loop"))
     assert parts == pytest.approx(second["step_seconds"])
+
+
+class _ConstantLogs(keras.Model):
+    """A step whose logs hold no tensor of the step, which Keras accepts."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_weights), self.trainable_weights))
+        return {"done": 1.0}
+
+
+def test_the_monitor_times_a_custom_step_whose_logs_hold_no_tensor_to_its_updated_weights():
+    inputs = keras.Input((FEATURES,))
+    template = _ConstantLogs(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="tanh")(inputs)))
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="sgd")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    data = _data("xy")
+    parallel.fit(**data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
+    for record in monitor.records:  # each replica's end waited for nothing: it read before its start
+        assert all(d["busy_seconds"] > 0 for d in record["devices"].values())
+        assert record["compute_seconds"] > 0
 
 
 @pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss"])

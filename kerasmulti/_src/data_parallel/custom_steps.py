@@ -312,9 +312,11 @@ class CustomSteps:
         def replica(i):
             _replicas.set_valid(plan.shards[i].counted)
             _replicas.set_gradient_share(shares[i])  # `_optimizer_apply` scales its gradients so
-            logs = getattr(template, step)(timing.start(i, pieces[i]) if timing else pieces[i])
+            data_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            logs = getattr(template, step)(data_i)
             if timing:
-                timing.end(i, logs)
+                # Its end: its logs, and the weights as read after its step (logs may hold no tensor).
+                timing.end(i, (logs, data_i, [tf.convert_to_tensor(v) for v in template.trainable_weights]))
             return logs
 
         _run.shares, _run.shards, _run.merge_device = shares, plan.shards, replicas.merge_device

@@ -132,7 +132,8 @@ class LocalParallelModel(ParallelModel):
         else:
             logs, shards = self._keras_train_step(data)
         if timing is not None:
-            busy, rows = timing.record(shards, started, self._updated_weights())
+            # Its end: the updated weights and the logs (a step may update no weight).
+            busy, rows = timing.record(shards, started, (self._updated_weights(), logs))
             if self._auto_split is not None:
                 self._auto_split.observe(busy, rows)
         return logs

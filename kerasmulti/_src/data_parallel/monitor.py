@@ -10,11 +10,12 @@ The headline figures are the wall clock's, as Keras' progress bar shows them:
 samples per second are rows over the epoch's training time (the epoch's start
 to its last batch's end, validation excluded), and the step time is that time
 over the steps. The clocks inside the step split it into the replicas'
-compute and the merge and update; the monitor's own callbacks time Keras'
-loop between the calls of the step function (the callbacks, the progress
-bar), and the rest is the call itself: passing the step function the
-model's variables (which bare Keras' step pays too), its wait for the batch
-(the input pipeline) and returning its logs. On a small, fast model the
+compute and the merge and update. The monitor times each call of the step
+function (wrapping `model.train_function` for the time of `fit`): the call
+around the step is passing the function the model's variables (which bare
+Keras' step pays too), its wait for the batch (the input pipeline) and
+returning its logs; the rest is Keras' loop between the calls (callbacks,
+the progress bar, making an epoch's iterator). On a small, fast model the
 last two can be most of the step.
 """
 
@@ -107,23 +108,33 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 "ThroughputMonitor measures models from kerasmulti.parallelize() (gpus=1 for one device). "
                 f"Received: model={type(self.model).__name__}"
             )
+        # Keras made the step function just before; its calls are timed until the end of fit.
+        step = self.model.train_function
+        step = getattr(step, _UNTIMED, step)  # a wrapper an interrupted fit left behind
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._called += time.perf_counter() - started
+
+        setattr(timed, _UNTIMED, step)
+        self.model.train_function = timed
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model._timing.reset()  # the epoch's figures start from zero
         self._first, self._last = time.perf_counter(), None  # as Keras' progress bar
-        self._between, self._since = 0.0, self._first  # Keras' loop between the calls of the step
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._between += time.perf_counter() - self._since
+        self._called = 0.0  # in the calls of the step function
 
     def on_train_batch_end(self, batch, logs=None):
-        self._last = self._since = time.perf_counter()
+        self._last = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
         figures = self.model._timing.take()  # across workers, a collective each one runs
         if self._last is None:  # no batch ran (the data ran out)
             return
-        record = self._record(epoch, figures, self._last - self._first, self._between)
+        record = self._record(epoch, figures, self._last - self._first, self._called)
         self.records.append(record)
         if self.verbose and _cluster.is_chief():
             print(_line(record))
@@ -131,14 +142,16 @@ class ThroughputMonitor(keras.callbacks.Callback):
             self._write(record)
 
     def on_train_end(self, logs=None):
+        self.model.train_function = getattr(self.model.train_function, _UNTIMED, self.model.train_function)
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
-    def _record(self, epoch, figures, seconds, between) -> dict:
+    def _record(self, epoch, figures, seconds, called) -> dict:
         devices = self.model._timing.devices
         steps = max(int(figures["steps"]), 1)
         rows, busy = figures["rows"], figures["busy"]
+        slowest, step = max(float(figures["slowest"]), 0.0), max(float(figures["step"]), 0.0)
         used = rows > 0
         record = {
             "epoch": epoch + 1,
@@ -148,8 +161,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
             "step_seconds": seconds / steps,
             # The replicas' clocks run on their own threads: on a busy machine their
             # total can pass the step's by a fraction of a percent; they are part of it.
-            "compute_seconds": min(float(figures["slowest"]), float(figures["step"])) / steps,
-            "merge_update_seconds": max(float(figures["step"]) - float(figures["slowest"]), 0.0) / steps,
+            "compute_seconds": min(slowest, step) / steps,
+            "merge_update_seconds": max(step - slowest, 0.0) / steps,
             "devices": {
                 device: {
                     "rows": int(r),
@@ -161,9 +174,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
             "imbalance": float(busy[used].max() / busy[used].min()) if used.any() and busy[used].min() > 0 else 1.0,
             "split": self.model.split,
         }
-        outside = max(record["step_seconds"] - record["compute_seconds"] - record["merge_update_seconds"], 0.0)
-        record["loop_seconds"] = min(between / steps, outside)
-        record["input_call_seconds"] = outside - record["loop_seconds"]
+        inside = record["compute_seconds"] + record["merge_update_seconds"]
+        outside = max(record["step_seconds"] - inside, 0.0)
+        record["input_call_seconds"] = min(max(called / steps - inside, 0.0), outside)
+        record["loop_seconds"] = outside - record["input_call_seconds"]
         if self.baseline is not None:
             record["scaling_efficiency"] = record["samples_per_second"] / (self.baseline * len(devices))
         return record
@@ -192,6 +206,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 if np.isfinite(value):
                     tf.summary.scalar(name, value, step=record["epoch"])
         self._writer.flush()
+
+
+_UNTIMED = "_kerasmulti_untimed"  # on the monitor's wrapper of a step function: the function it wraps
 
 
 def _tag(device: str) -> str:
