@@ -46,6 +46,7 @@ from kerasmulti._src.data_parallel import packing as _packing
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
+from kerasmulti._src.data_parallel.packed_apply import build_optimizer
 from kerasmulti._src.keras_private import get_keras_mask, model_supports_jit, set_keras_mask
 
 
@@ -161,6 +162,8 @@ class CompiledReplicas:
         }
         self._is_seed = [id(v) in seed_ids for v in state]
         optimizer = self._model.optimizer
+        if optimizer is not None and trainable:
+            build_optimizer(optimizer, trainable)
         everything = variables + (list(optimizer.variables) if optimizer is not None else [])
         devices = {_packing.device_of(v) for v in everything}
         if len(devices) == 1:

@@ -15,6 +15,7 @@ its device); otherwise the update runs tensor by tensor, as before.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from kerasmulti._src.data_parallel import packing as _packing
@@ -42,8 +43,7 @@ class PackedApply:
         """Whether these gradients and variables can take the packed path (builds the optimizer)."""
         if variables is None or not gradients or any(not isinstance(g, tf.Tensor) for g in gradients):
             return False  # None (not connected) or sparse gradients: tensor by tensor
-        if not optimizer.built:
-            optimizer.build(variables)  # here: XLA creates no variables
+        build_optimizer(optimizer, variables)  # here: XLA creates no variables
         devices = {_packing.device_of(v) for v in list(variables) + list(optimizer.variables)}
         return len(devices) == 1
 
@@ -57,3 +57,14 @@ class PackedApply:
         """Sums the replicas' packed gradients and applies them, in one program on the variables' device."""
         with tf.device(self.device):
             self.update(packed)
+
+
+def build_optimizer(optimizer, variables) -> None:
+    """Builds `optimizer` for `variables` as its `apply` would, if it is not built yet.
+
+    Called before an update program is first traced: built inside that
+    trace, the optimizer's new variables would make TensorFlow trace it twice.
+    """
+    if not optimizer.built:
+        with tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(variables))
