@@ -158,7 +158,7 @@ def test_the_monitor_times_a_custom_step_whose_logs_hold_no_tensor_to_its_update
     monitor = kerasmulti.ThroughputMonitor(verbose=0)
     data = _data("xy")
     parallel.fit(**data, batch_size=BATCH, epochs=2, verbose=0, callbacks=[monitor])
-    for record in monitor.records:  # each replica's end waited for nothing: it read before its start
+    for record in monitor.records:  # its end once waited for nothing, and read before its start
         assert all(d["busy_seconds"] > 0 for d in record["devices"].values())
         assert record["compute_seconds"] > 0
 

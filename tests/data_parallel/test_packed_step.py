@@ -119,6 +119,12 @@ def test_the_update_program_is_traced_once_with_the_optimizer_built_as_one_devic
     parallel.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     parallel.train_on_batch(x, y)
     assert len(traces) == 1
+    # Built by the first training step only, as one device builds it: predict and evaluate leave it.
+    untrained = kerasmulti.parallelize(_dense_stack(3), gpus=2)
+    untrained.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    untrained.predict(x, verbose=0)
+    untrained.evaluate(x, y, verbose=0)
+    assert not untrained.optimizer.built
     # Under the optimizer's own name, as Keras' `apply` builds it.
     assert {v.path.split("/")[0] for v in parallel.optimizer.variables} == {parallel.optimizer.name}
     assert len(parallel.optimizer.variables) == len(reference.optimizer.variables)

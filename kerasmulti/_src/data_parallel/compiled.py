@@ -162,8 +162,6 @@ class CompiledReplicas:
         }
         self._is_seed = [id(v) in seed_ids for v in state]
         optimizer = self._model.optimizer
-        if optimizer is not None and trainable:
-            build_optimizer(optimizer, trainable)
         everything = variables + (list(optimizer.variables) if optimizer is not None else [])
         devices = {_packing.device_of(v) for v in everything}
         if len(devices) == 1:
@@ -195,6 +193,9 @@ class CompiledReplicas:
         (`loss_metrics.DeferredLossMetrics`), the replicas' busy times to
         `timing` (`balance.StepTiming`), if given.
         """
+        optimizer, trainable = self._model.optimizer, self._template.trainable_variables
+        if training and optimizer is not None and trainable:
+            build_optimizer(optimizer, trainable)  # training only: predict and evaluate leave it unbuilt, as Keras
         # Timed, the weights are read once the step has started, and each replica starts once they are read.
         with tf.control_dependencies([timing.started()] if timing else []):
             arguments = self._arguments(pieces, plan, loss_scale)
