@@ -7,7 +7,9 @@ replica for `--ms-per-row` milliseconds per row of its sub-batch, twice as
 long on the slowed device (a sleep, so the load is exact and takes no core
 from the real work). With `split="even"` the fast device waits half of every
 step; `split="auto"` measures both devices' speeds over its first steps and
-then gives the fast one twice the rows. Ideal gain: 1.5x.
+then gives the fast one twice the rows. Ideal gain: 1.5x. The same again for a
+model with its own `train_step` (Keras' guide's), whose replicas meet at its
+`optimizer.apply` and metric updates, where the fast one waits for the slow one.
 
 All variants run in one process, built from the same seed, their timed fit
 epochs interleaved (`_common.timed_rounds`); each is warmed up first with one
@@ -56,17 +58,27 @@ SEED = 1234
 FEATURES = 64
 
 
-def build_model(ms_per_row: float, factor: float) -> keras.Model:
+class OwnStep(keras.Model):
+    """Keras' guide's first `train_step`: its replicas meet at `optimizer.apply` and each metric update."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def build_model(ms_per_row: float, factor: float, own_step: bool = False) -> keras.Model:
     keras.utils.set_random_seed(SEED)
-    return keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(256, activation="relu"),
-            SlowDevice(ms_per_row, (SLOW_DEVICE,), factor),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ]
-    )
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(256, activation="relu")(inputs)
+    h = SlowDevice(ms_per_row, (SLOW_DEVICE,), factor)(h)
+    h = keras.layers.Dense(256, activation="relu")(h)
+    return (OwnStep if own_step else keras.Model)(inputs, keras.layers.Dense(10, activation="softmax")(h))
 
 
 class Variant:
@@ -99,11 +111,12 @@ class Data:
 
 
 
-def balance(args) -> None:
+def balance(args, own_step: bool) -> None:
+    print("A model with its own train_step:" if own_step else "Keras' train_step:")
     data = Data(args.samples, args.batch_size)
     variants = []
     for split in ("even", "auto"):
-        model = kerasmulti.parallelize(build_model(args.ms_per_row, 2.0), gpus=DEVICES, split=split)
+        model = kerasmulti.parallelize(build_model(args.ms_per_row, 2.0, own_step), gpus=DEVICES, split=split)
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
         variants.append(Variant(f'split="{split}"', model))
     for variant in variants:  # warm-up: traces, and lets "auto" settle
@@ -160,7 +173,9 @@ def main(argv=None) -> None:
     print_environment(kerasmulti.available_devices()[:DEVICES])
     print(f"{DEVICES} devices, {args.samples} rows an epoch in batches of {args.batch_size}; "
           f"load {args.ms_per_row} ms a row, {SLOW_DEVICE} at half speed; {args.repeats} repeats\n")
-    balance(args)
+    balance(args, own_step=False)
+    print()
+    balance(args, own_step=True)
     print()
     overhead(args)
 

@@ -139,6 +139,35 @@ def test_the_monitor_and_an_auto_split_time_a_custom_step_without_changing_its_n
     assert parts == pytest.approx(second["step_seconds"])
 
 
+@pytest.mark.slow  # wall-clock ratios (sleeps standing for slow devices): not in the fast tier
+def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeypatch):
+    # The replicas meet at `optimizer.apply` and at every metric update: a fast
+    # replica waits there for the slow one, and a wait counted as busy time made
+    # every replica look as slow as the slowest (imbalance 1.01, split even).
+    from workers.slow_device import SlowDevice
+
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 4)
+    keras.utils.set_random_seed(21)
+    inputs = keras.Input((FEATURES,))
+    slowed = SlowDevice(4.0, (f"CPU:{DEVICES - 1}",), 3.0)(keras.layers.Dense(8, activation="relu")(inputs))
+    template = GuideLowLevel(inputs, keras.layers.Dense(1)(slowed))
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES, split="auto")
+    parallel.compile(optimizer="adam")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(480, FEATURES)).astype("float32"), rng.normal(size=(480, 1)).astype("float32")
+    parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor])
+    before, after = monitor.records
+    # 4 ms a row, 12 on the slowed device: 3x the others' busy time until "auto"
+    # settles, within the first epoch (measured 2.08 over that epoch; 1.0004 before).
+    assert before["imbalance"] > 1.5, before["imbalance"]
+    fast = 1 / (DEVICES - 1 + 1 / 3)  # speeds 1 : ... : 1/3
+    assert parallel.split[-1] == pytest.approx(fast / 3, abs=0.04)
+    assert after["imbalance"] < 1.5
+    rows = [d["rows"] for d in after["devices"].values()]
+    assert rows[-1] < rows[0] / 2
+
+
 class _ConstantLogs(keras.Model):
     """A step whose logs hold no tensor of the step, which Keras accepts."""
 

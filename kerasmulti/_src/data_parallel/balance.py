@@ -20,7 +20,10 @@ from then on sizes every sub-batch in proportion to those speeds, so the
 replicas finish together. The proportions live in a variable the step reads,
 so they change without retracing. A replica that waits for another mid-step
 (synchronised BatchNormalization, a loss whose totals need the others'
-outputs) counts its wait as busy time, which hides part of the imbalance.
+outputs, a custom step's `optimizer.apply`) books its work up to the
+meeting point and starts again once every replica's values are there
+(`arrive`, `resume`): its wait is not its work, or every replica would look
+as slow as the slowest.
 """
 
 from __future__ import annotations
@@ -92,9 +95,29 @@ class StepTiming:
         """Notes replica `replica`'s busy time, once `outputs` are computed."""
         with self._lock:
             start = self._starts.pop(replica)
-        duration = self._clock_after(outputs) - start
+        duration = self._clock_after((outputs, start)) - start  # outputs made before its last meeting point: none since
         with self._lock:  # a replica may run twice a step (a counting pass)
             self._durations[replica] = self._durations.get(replica, 0.0) + duration
+
+    def arrive(self, replica: int, value) -> None:
+        """Books replica `replica`'s work up to its `value` for a meeting point (`replicas._Rendezvous`)."""
+        with self._lock:
+            start = self._starts.get(replica)
+        if start is None or not _waited_for(value):
+            return  # not timed here, or nothing to time: its work runs on to the next reading
+        arrived = self._clock_after((value, start))  # a value made before the last meeting point: no work since
+        with self._lock:
+            self._durations[replica] = self._durations.get(replica, 0.0) + (arrived - start)
+            self._starts[replica] = arrived
+
+    def resume(self, replica: int, gathered) -> None:
+        """Replica `replica` starts again once `gathered` (every replica's values) exists: its wait is not booked."""
+        with self._lock:
+            start = self._starts.get(replica)
+        if start is not None and _waited_for(gathered):
+            resumed = self._clock_after((gathered, start))
+            with self._lock:
+                self._starts[replica] = resumed
 
     def started(self):
         """This step's start time (`step_start`'s), for what must run after it."""
@@ -199,9 +222,15 @@ class ReplicaTiming:
         self._generation.assign_add(1.0)
 
 
+def _waited_for(structure) -> list:
+    """The tensors and operations in `structure`, which a clock reading can wait for."""
+    flat = tf.nest.flatten(tree.flatten(structure), expand_composites=True)
+    return [t for t in flat if tf.is_tensor(t) or isinstance(t, tf.Operation)]
+
+
 def _clock_after(structure, counter):
-    """Seconds on the host's clock, read once every tensor in `structure` exists."""
-    tensors = [t for t in tf.nest.flatten(tree.flatten(structure), expand_composites=True) if tf.is_tensor(t)]
+    """Seconds on the host's clock, read once every tensor (and operation) in `structure` exists."""
+    tensors = _waited_for(structure)
     # A distinct, non-constant input: no reading is folded or merged with another.
     distinct = tf.cast(counter.read_value(), tf.float64) + float(next(_readings))
     with tf.control_dependencies(tensors), tf.device("/cpu:0"):

@@ -139,11 +139,12 @@ def _optimizer_apply(optimizer, original, packed: bool, scaled_already: set):
             def apply_all():
                 original([_split.sum_gradients([r[k] for r in gathered]) for k in range(len(grads))], trainable_variables)
 
+        merged = None
         if _replicas.replica_id() == 0:
-            with _updating_for_all:
+            with _updating_for_all, _made() as merged:
                 apply_all()
         # The others go on only once the update is in the step, so they read the new weights.
-        meeting.all_gather(None, f"after {optimizer.name}.apply")
+        meeting.all_gather(None, f"after {optimizer.name}.apply", merged=merged)
 
     return apply
 
@@ -204,15 +205,27 @@ def _metric_update(metric, original):
             return original(*args, **kwargs)
         meeting = _replicas.rendezvous()
         gathered = meeting.all_gather((args, kwargs), f"{metric.name}.update_state")
+        made = None
         if _replicas.replica_id() == 0:
             with tf.device(_run.merge_device):
                 merged = _merged_arguments(signature, gathered, _run.shares, _run.shards)
-                with _updating_for_all:
+                with _updating_for_all, _made() as made:
                     original(*merged.args, **merged.kwargs)
         # Results read after this point see the update, on every replica.
-        meeting.all_gather(None, f"after {metric.name}.update_state")
+        meeting.all_gather(None, f"after {metric.name}.update_state", merged=made)
 
     return update_state
+
+
+@contextlib.contextmanager
+def _made():
+    """Inside: a timed replica lists the operations it makes (the update it runs for all), for the others' clocks."""
+    made = []
+    graph = None if tf.executing_eagerly() or not _replicas.timed() else tf.compat.v1.get_default_graph()
+    count = len(graph.get_operations()) if graph is not None else 0
+    yield made
+    if graph is not None:
+        made.extend(graph.get_operations()[count:])
 
 
 def _first_replica_assign(variable, original):
@@ -313,6 +326,7 @@ class CustomSteps:
             _replicas.set_valid(plan.shards[i].counted)
             _replicas.set_gradient_share(shares[i])  # `_optimizer_apply` scales its gradients so
             data_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            _replicas.set_timing(timing)  # its waits at meeting points apart from its work
             logs = getattr(template, step)(data_i)
             if timing:
                 # Its end: its logs, and the weights as read after its step (logs may hold no tensor).

@@ -181,6 +181,7 @@ class LocalParallelModel(ParallelModel):
         def replica(i):
             _replicas.set_valid(shards[i].counted)
             x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
+            _replicas.set_timing(timing)  # its waits at meeting points apart from its work
             if order is not None:
                 x_i, y_i, sw_i = order.start(i, (x_i, y_i, sw_i))
             total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)

@@ -104,13 +104,24 @@ class _Rendezvous:
         self._barrier = threading.Barrier(n, timeout=RENDEZVOUS_TIMEOUT_S)
         self.turn = _Turn(n)
 
-    def all_gather(self, value, where: str):
-        """Every replica's `value`; all must call it at the same point, `where`."""
-        self._slots[replica_id()] = (where, value)
+    def all_gather(self, value, where: str, merged=None):
+        """Every replica's `value`; all must call it at the same point, `where`.
+
+        `merged`: what this replica did for all since the last meeting point
+        (replica 0's optimizer update), which the others wait for. A timed
+        replica (`set_timing`) books its work up to `value`, and starts again
+        once every value and `merged` exist: its wait is not its work.
+        """
+        timing = getattr(_local, "timing", None)
+        if timing is not None:
+            timing.arrive(replica_id(), value)
+        self._slots[replica_id()] = (where, value, merged)
         self._wait()
         gathered = list(self._slots)
         self._wait()  # nobody overwrites a slot before all have read
-        places = [place for place, _ in gathered]
+        if timing is not None:
+            timing.resume(replica_id(), [(value, merged) for _, value, merged in gathered])
+        places = [place for place, _, _ in gathered]
         if len(set(places)) > 1:
             # E.g. a squeeze() that also drops the batch axis of a 1-row
             # sub-batch sends one replica down another path.
@@ -118,7 +129,7 @@ class _Rendezvous:
                 "The replicas took different paths through the model. Make it compute the same for every "
                 f"batch size, or use one device. Received: meeting points={places}"
             )
-        return [value for _, value in gathered]
+        return [value for _, value, _ in gathered]
 
     def _wait(self):
         self.turn.give()
@@ -142,7 +153,7 @@ def _run_one(i: int, device: str, fn: Callable, sync):
             sync.all_gather(None, "the end of its step")
         return result
     finally:
-        _local.replica, _local.sync, _local.gradient_share = 0, None, 1.0
+        _local.replica, _local.sync, _local.gradient_share, _local.timing = 0, None, 1.0, None
 
 
 class _KernelsReadOnTheReplica:
@@ -281,6 +292,16 @@ def cross_replica_sum(value, by_rows=False):
 def rendezvous():
     """The meeting place of the synchronised run this thread traces a replica of; None outside one."""
     return getattr(_local, "sync", None)
+
+
+def set_timing(timing) -> None:
+    """Has this replica book its waits at meeting points apart from its work (`balance.StepTiming`)."""
+    _local.timing = timing
+
+
+def timed() -> bool:
+    """Whether this replica's meeting points are timed (`set_timing`)."""
+    return getattr(_local, "timing", None) is not None
 
 
 def valid():
