@@ -48,6 +48,7 @@ import tensorflow as tf  # noqa: E402
 
 # The load the tests slow devices with, also across workers.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "workers"))
+from custom_models import GuideCompiledLoss  # noqa: E402  (Keras' guide's first train_step)
 from slow_device import SlowDevice  # noqa: E402
 
 # One intra-op thread per op, as the other CPU benchmarks (`_common.configure_devices`).
@@ -58,27 +59,13 @@ SEED = 1234
 FEATURES = 64
 
 
-class OwnStep(keras.Model):
-    """Keras' guide's first `train_step`: its replicas meet at `optimizer.apply` and each metric update."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
-        for metric in self.metrics:
-            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
 def build_model(ms_per_row: float, factor: float, own_step: bool = False) -> keras.Model:
     keras.utils.set_random_seed(SEED)
     inputs = keras.Input((FEATURES,))
     h = keras.layers.Dense(256, activation="relu")(inputs)
     h = SlowDevice(ms_per_row, (SLOW_DEVICE,), factor)(h)
     h = keras.layers.Dense(256, activation="relu")(h)
-    return (OwnStep if own_step else keras.Model)(inputs, keras.layers.Dense(10, activation="softmax")(h))
+    return (GuideCompiledLoss if own_step else keras.Model)(inputs, keras.layers.Dense(10, activation="softmax")(h))
 
 
 class Variant:
