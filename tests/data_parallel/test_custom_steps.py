@@ -139,18 +139,44 @@ def test_the_monitor_and_an_auto_split_time_a_custom_step_without_changing_its_n
     assert parts == pytest.approx(second["step_seconds"])
 
 
+class _MetricFirst(keras.Model):
+    """Updates its loss tracker before its backward pass, which runs while it waits at that meeting point."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        self.loss_tracker.update_state(loss)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": self.loss_tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+
 @pytest.mark.slow  # wall-clock ratios (sleeps standing for slow devices): not in the fast tier
-def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeypatch):
+@pytest.mark.parametrize("kind", ["metrics after apply", "metric before backward"])
+def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeypatch, kind):
     # The replicas meet at `optimizer.apply` and at every metric update: a fast
     # replica waits there for the slow one, and a wait counted as busy time made
     # every replica look as slow as the slowest (imbalance 1.01, split even).
+    # Updating a metric first, a fast replica runs its backward pass while it
+    # waits there: work that is not booked (docs/limitations.md), so the slowed
+    # device gets fewer rows than its speed asks for (0.08 measured for 1/7), never an even third.
     from workers.slow_device import SlowDevice
 
     monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 4)
     keras.utils.set_random_seed(21)
     inputs = keras.Input((FEATURES,))
-    slowed = SlowDevice(4.0, (f"CPU:{DEVICES - 1}",), 3.0)(keras.layers.Dense(8, activation="relu")(inputs))
-    template = GuideLowLevel(inputs, keras.layers.Dense(1)(slowed))
+    first = kind == "metric before backward"
+    load = SlowDevice(2.0 if first else 4.0, (f"CPU:{DEVICES - 1}",), 3.0, backward=first)
+    slowed = load(keras.layers.Dense(8, activation="relu")(inputs))
+    template = (_MetricFirst if first else GuideLowLevel)(inputs, keras.layers.Dense(1)(slowed))
     parallel = kerasmulti.parallelize(template, gpus=DEVICES, split="auto")
     parallel.compile(optimizer="adam")
     monitor = kerasmulti.ThroughputMonitor(verbose=0)
@@ -158,12 +184,15 @@ def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeyp
     x, y = rng.normal(size=(480, FEATURES)).astype("float32"), rng.normal(size=(480, 1)).astype("float32")
     parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor])
     before, after = monitor.records
-    # 4 ms a row, 12 on the slowed device: 3x the others' busy time until "auto"
+    # 4 ms a row (2 forward and 2 backward), 3x on the slowed device: 3x the others' busy time until "auto"
     # settles, within the first epoch (measured 2.08 over that epoch; 1.0004 before).
     assert before["imbalance"] > 1.5, before["imbalance"]
     fast = 1 / (DEVICES - 1 + 1 / 3)  # speeds 1 : ... : 1/3
-    assert parallel.split[-1] == pytest.approx(fast / 3, abs=0.04)
-    assert after["imbalance"] < 1.5
+    if first:  # the fast replicas' backward passes unbooked: they look faster than they are
+        assert 0.02 < parallel.split[-1] < fast / 3 + 0.04
+    else:
+        assert parallel.split[-1] == pytest.approx(fast / 3, abs=0.04)
+        assert after["imbalance"] < 1.5
     rows = [d["rows"] for d in after["devices"].values()]
     assert rows[-1] < rows[0] / 2
 

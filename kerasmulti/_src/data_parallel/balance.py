@@ -23,7 +23,12 @@ so they change without retracing. A replica that waits for another mid-step
 outputs, a custom step's `optimizer.apply`) books its work up to the
 meeting point and starts again once every replica's values are there
 (`arrive`, `resume`): its wait is not its work, or every replica would look
-as slow as the slowest.
+as slow as the slowest. Work a replica does while it waits (work that needs
+nothing of the others', such as a backward pass after a metric's meeting
+point) is not booked either, so such a replica looks faster than it is.
+Booking it was tried: it compares clock readings taken right before and
+after a wait, which TensorFlow's executor runs up to a millisecond late, and
+a replica whose next work is shorter than that then booked its whole wait.
 """
 
 from __future__ import annotations
