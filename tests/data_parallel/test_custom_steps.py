@@ -197,6 +197,42 @@ def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeyp
     assert rows[-1] < rows[0] / 2
 
 
+class ConstantWeight(keras.Model):
+    """Updates its trackers with a weight every replica shares: a variable, and a float."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight = keras.Variable(1.0, trainable=False, name="weight")
+        self.by_variable, self.by_float = keras.metrics.Mean(name="by_variable"), keras.metrics.Mean(name="by_float")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.by_variable.update_state(loss, sample_weight=self.weight)
+        self.by_float.update_state(loss, sample_weight=2.0)
+        return {"by_variable": self.by_variable.result(), "by_float": self.by_float.result()}
+
+    @property
+    def metrics(self):
+        return [self.by_variable, self.by_float]
+
+
+def test_a_metric_weight_every_replica_shares_is_not_summed_over_the_replicas():
+    # A row count (Keras' loss tracker) is summed; a variable or a float is one weight
+    # for the whole batch. Summed, the last batch (2 rows: a replica idle) weighed less.
+    data = _data("xy")
+    reference, template = functional(ConstantWeight, 5), functional(ConstantWeight, 5)
+    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    sgd_compile(reference)
+    expected = reference.fit(**data, **fit).history
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    sgd_compile(parallel)
+    assert_same_logs(expected, parallel.fit(**data, **fit).history)
+    assert_same_weights(reference, template)
+
+
 class _ConstantLogs(keras.Model):
     """A step whose logs hold no tensor of the step, which Keras accepts."""
 

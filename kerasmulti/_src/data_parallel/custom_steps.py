@@ -15,8 +15,9 @@ device would see the whole batch:
   new weights: two optimizers in one step (a GAN's) each step once.
 - `metric.update_state`: the replicas' arguments are merged and one update
   is made: tensors with a row per batch row are joined in shard order, a
-  scalar `sample_weight` (Keras passes the row count) is summed, any other
-  scalar (a mean loss) is averaged by the shares. A `Mean` tracker then holds
+  scalar `sample_weight` (Keras passes the row count) is summed unless it is
+  a variable or a float (one weight for the batch), any other scalar (a mean
+  loss) is averaged by the shares. A `Mean` tracker then holds
   the whole batch's mean, on uneven splits too.
 - variables the step assigns itself (a step counter) are assigned by the
   first replica only, as `tf.distribute` does for `aggregation=
@@ -158,6 +159,8 @@ def _merged_leaf(values, name, shares, shards):
     first = values[0]
     if first is None or isinstance(first, (str, bool)):
         return first
+    if name == "sample_weight" and isinstance(first, (float, keras.Variable, tf.Variable)):
+        return first  # a weight the whole batch shares, not a count of the replica's rows
     if isinstance(first, (int, float)) or getattr(first, "shape", None) is not None and len(first.shape) == 0:
         # Keras passes a sub-batch's row count as the weight of its mean.
         weights = [_split.counts(s) for s in shards] if name == "sample_weight" else shares
@@ -220,12 +223,10 @@ def _metric_update(metric, original):
 @contextlib.contextmanager
 def _made():
     """Inside: a timed replica lists the operations it makes (the update it runs for all), for the others' clocks."""
-    made = []
-    graph = None if tf.executing_eagerly() or not _replicas.timed() else tf.compat.v1.get_default_graph()
+    made, graph = [], None if tf.executing_eagerly() or not _replicas.timed() else tf.compat.v1.get_default_graph()
     count = len(graph.get_operations()) if graph is not None else 0
     yield made
-    if graph is not None:
-        made.extend(graph.get_operations()[count:])
+    made.extend(graph.get_operations()[count:] if graph is not None else [])
 
 
 def _first_replica_assign(variable, original):
