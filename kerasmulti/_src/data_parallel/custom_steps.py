@@ -167,8 +167,8 @@ def _merged_leaf(values, name, shares, shards):
         total = _weighted_sum(weights, values)
         dtype = getattr(first, "dtype", None)
         return total if dtype is None else tf.cast(total, dtype)
-    rows = first.shape[0]
-    if rows is None or (isinstance(shards[0].sliced, int) and rows == shards[0].sliced):
+    rows, sliced = first.shape[0], tf.get_static_value(shards[0].sliced)  # known eagerly, also under "auto"
+    if rows is None or (sliced is not None and rows == sliced):
         return _split.merge(list(values), shards)
     return first  # not one row per batch row: the first replica's
 
