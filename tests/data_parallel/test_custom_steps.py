@@ -25,6 +25,7 @@ from workers.custom_models import (
     GAN,
     WGANGP,
     BatchNormGAN,
+    ConstantWeight,
     ExtraLoss,
     GuideCompiledLoss,
     GuideLowLevel,
@@ -70,6 +71,8 @@ CASES = {
     "guide compiled loss": (lambda s: functional(GuideCompiledLoss, s), standard_compile, "xy"),
     "guide low level + step counter": (lambda s: functional(GuideLowLevel, s), sgd_compile, "xy"),
     "guide sample weights": (lambda s: functional(GuideSampleWeights, s), standard_compile, "weighted"),
+    # A variable's or a float's weight is the batch's, not summed over the replicas as a row count is.
+    "metric weights shared": (lambda s: functional(ConstantWeight, s), sgd_compile, "xy"),
     "compute_loss": (lambda s: functional(ExtraLoss, s), standard_compile, "xy"),
     "GAN": (lambda s: make_gan(GAN, s), gan_compile, "pairs"),
     "GAN, optimizers in a list": (lambda s: make_gan(ListedGAN, s), gan_compile, "pairs"),
@@ -197,52 +200,6 @@ def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeyp
     assert rows[-1] < rows[0] / 2
 
 
-class ConstantWeight(keras.Model):
-    """Updates its trackers with a weight every replica shares: a variable, and a float."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.weight = keras.Variable(1.0, trainable=False, name="weight")
-        self.by_variable, self.by_float = keras.metrics.Mean(name="by_variable"), keras.metrics.Mean(name="by_float")
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
-        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
-        self.by_variable.update_state(loss, sample_weight=self.weight)
-        self.by_float.update_state(loss, sample_weight=2.0)
-        return {"by_variable": self.by_variable.result(), "by_float": self.by_float.result()}
-
-    @property
-    def metrics(self):
-        return [self.by_variable, self.by_float]
-
-
-def test_a_metric_weight_every_replica_shares_is_not_summed_over_the_replicas():
-    # A row count (Keras' loss tracker) is summed; a variable or a float is one weight
-    # for the whole batch. Summed, the last batch (2 rows: a replica idle) weighed less.
-    data = _data("xy")
-    reference, template = functional(ConstantWeight, 5), functional(ConstantWeight, 5)
-    fit = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    sgd_compile(reference)
-    expected = reference.fit(**data, **fit).history
-    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
-    sgd_compile(parallel)
-    assert_same_logs(expected, parallel.fit(**data, **fit).history)
-    assert_same_weights(reference, template)
-
-
-def test_a_custom_step_run_eagerly_under_an_auto_split_merges_each_metrics_rows(monkeypatch):
-    # Eagerly a sub-batch's row count is known; under "auto" the shard's size is a
-    # tensor, and the metric got the first replica's rows only (mae 0.95 for 1.10).
-    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
-    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 2)
-    wrap = functools.partial(kerasmulti.parallelize, gpus=DEVICES, split="auto")
-    _, _, parallel = _trained("guide low level + step counter", BATCH, wrap, run_eagerly=True)
-    assert parallel._auto_split.settled
-
-
 class _ConstantLogs(keras.Model):
     """A step whose logs hold no tensor of the step, which Keras accepts."""
 
@@ -267,7 +224,7 @@ def test_the_monitor_times_a_custom_step_whose_logs_hold_no_tensor_to_its_update
         assert record["compute_seconds"] > 0
 
 
-@pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss"])
+@pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss", "metric weights shared"])
 def test_a_workers_several_replicas_run_the_custom_steps_with_one_devices_numbers(case):
     # A worker's GPUs: the strategy runs its replicas on threads, each through `worker_steps`.
     _trained(case, BATCH, worker_model)

@@ -118,6 +118,28 @@ class Rounded(keras.Model):
         return {"score": self(x, training=False), "sign": keras.ops.sign(self(x, training=False))}
 
 
+class ConstantWeight(keras.Model):
+    """A custom step that updates its trackers with a weight every replica shares: a variable, and a float."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight = keras.Variable(1.0, trainable=False, name="weight")
+        self.by_variable, self.by_float = keras.metrics.Mean(name="by_variable"), keras.metrics.Mean(name="by_float")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        self.by_variable.update_state(loss, sample_weight=self.weight)
+        self.by_float.update_state(loss, sample_weight=2.0)
+        return {"by_variable": self.by_variable.result(), "by_float": self.by_float.result()}
+
+    @property
+    def metrics(self):
+        return [self.by_variable, self.by_float]
+
+
 def functional(cls, seed):
     keras.utils.set_random_seed(seed)
     inner = mlp()
