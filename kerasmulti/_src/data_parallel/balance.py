@@ -26,9 +26,9 @@ meeting point and starts again once every replica's values are there
 as slow as the slowest. Work a replica does while it waits (work that needs
 nothing of the others', such as a backward pass after a metric's meeting
 point) is not booked either, so such a replica looks faster than it is.
-Booking it was tried: it compares clock readings taken right before and
-after a wait, which TensorFlow's executor runs up to a millisecond late, and
-a replica whose next work is shorter than that then booked its whole wait.
+Booking it would compare the clock readings on either side of a wait, which
+TensorFlow's executor runs up to a millisecond late: a replica whose next
+work is shorter than that would book its whole wait (CHANGELOG).
 """
 
 from __future__ import annotations
