@@ -200,6 +200,16 @@ def test_an_auto_split_gives_a_slowed_device_fewer_rows_in_a_custom_step(monkeyp
     assert rows[-1] < rows[0] / 2
 
 
+def test_a_custom_step_run_eagerly_under_an_auto_split_merges_each_metrics_rows(monkeypatch):
+    # Eagerly a sub-batch's row count is known; under "auto" the shard's size is a
+    # tensor, and the metric got the first replica's rows only (mae 0.95 for 1.10).
+    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1)
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 2)
+    wrap = functools.partial(kerasmulti.parallelize, gpus=DEVICES, split="auto")
+    _, _, parallel = _trained("guide low level + step counter", BATCH, wrap, run_eagerly=True)
+    assert parallel._auto_split.settled
+
+
 class _ConstantLogs(keras.Model):
     """A step whose logs hold no tensor of the step, which Keras accepts."""
 
