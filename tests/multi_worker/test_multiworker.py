@@ -405,6 +405,15 @@ def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp
     assert speeds[1] / speeds[0] == pytest.approx(0.5, rel=0.15)
     assert record["imbalance"] == pytest.approx(2.0, rel=0.15)
     assert other[-1]["devices"] == devices
+    # Replicas that meet mid-step (a custom step's `optimizer.apply` and metrics,
+    # BatchNormalization's statistics): a replica's wait there is not its work,
+    # or both workers would look as slow as the slowest.
+    for phase in ("custom_records", "batchnorm_records"):
+        meeting = workers[0][phase][-1]["devices"]
+        assert [d["rows"] for d in meeting.values()] == [96, 96]
+        speeds = [d["samples_per_second"] for d in meeting.values()]
+        assert speeds[1] / speeds[0] == pytest.approx(0.5, rel=0.15), phase
+        assert workers[1][phase][-1]["devices"] == meeting
     # The headline figures are each worker's wall clock, as Keras' progress bar
     # (it was the replicas' compute alone, several times smaller, on a small
     # model). Bounds that hold on any machine, busy or not: the monitor's span

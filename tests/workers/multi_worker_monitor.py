@@ -5,6 +5,9 @@ Worker 1's replica is slowed to half speed. Phases:
 - monitored: every worker passes a monitor and a TensorBoard callback (log
   folder OUT/logs), with validation data; each saves its monitor's records
   and the wall clock read by callbacks listed before and after the monitor.
+- meetings: the guide's `train_step` (its replicas meet at `optimizer.apply`
+  and the metrics), then a BatchNormalization model (its statistics), worker 1
+  slowed again; their records.
 - refusal: a monitor on the chief only; each worker saves fit's error.
 - devices: what `available_devices()` lists on each worker (its own only).
 
@@ -18,6 +21,7 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from custom_models import FEATURES, GuideCompiledLoss  # noqa: E402
 from slow_device import SlowDevice  # noqa: E402
 
 import kerasmulti  # first: joins the cluster before TensorFlow runs anything
@@ -35,7 +39,6 @@ model = keras.Sequential(
 )
 parallel = kerasmulti.parallelize(model)
 parallel.compile(optimizer="adam", loss="mse")
-
 
 
 class Clock(keras.callbacks.Callback):
@@ -64,6 +67,25 @@ parallel.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[before, monito
              validation_data=(x[:40], y[:40]))
 results["records"] = monitor.records
 results["clock"] = {"before": before.epochs, "after": after.epochs}
+
+keras.utils.set_random_seed(5)
+inputs = keras.Input((FEATURES,))
+hidden = SlowDevice(1.0, ("task:1/device:CPU:0",), 2.0)(keras.layers.Dense(8, activation="relu")(inputs))
+custom = kerasmulti.parallelize(GuideCompiledLoss(inputs, keras.layers.Dense(1)(hidden)))
+custom.compile(optimizer="adam", loss="mse", metrics=["mae"])
+monitor = kerasmulti.ThroughputMonitor(verbose=0)
+custom.fit(x[:, :FEATURES], y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor])
+results["custom_records"] = monitor.records
+
+keras.utils.set_random_seed(6)  # BatchNormalization after the load: its statistics' sums are meeting points
+normalized = kerasmulti.parallelize(keras.Sequential(
+    [keras.Input((8,)), keras.layers.Dense(8), SlowDevice(1.0, ("task:1/device:CPU:0",), 2.0),
+     keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+))
+normalized.compile(optimizer="adam", loss="mse")
+monitor = kerasmulti.ThroughputMonitor(verbose=0)
+normalized.fit(x, y, batch_size=48, epochs=2, verbose=0, callbacks=[monitor])
+results["batchnorm_records"] = monitor.records
 
 try:
     parallel.fit(x, y, batch_size=48, verbose=0, callbacks=[kerasmulti.ThroughputMonitor()] if index == 0 else [])

@@ -177,9 +177,9 @@ _FIGURES = ("busy", "rows", "slowest", "step", "steps")
 class ReplicaTiming:
     """`StepTiming`'s figures for a step that a `tf.distribute` strategy runs per replica.
 
-    Each replica adds its busy time (its batch to its gradients), rows and
-    step time (its batch to the updated weights) to its row of a table held
-    in this process; `take` gathers every worker's rows, a collective that
+    Each replica adds its busy time (its batch to its gradients, less its
+    waits in the collectives that `timed` wraps), rows and step time (its
+    batch to the updated weights) to its row of a table held in this process; `take` gathers every worker's rows, a collective that
     every worker must run at the same point. Without a per-step collective,
     the slowest replica's compute time is taken as the largest of the
     replicas' total busy times, and the step time likewise.
@@ -199,16 +199,39 @@ class ReplicaTiming:
             # Read, never written, in the step: a clock's distinct input that
             # does not order one replica's readings after another's writes.
             self._generation = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="timing_generation")
+        self._replica = threading.local()  # the replica traced on this thread: its booked time, its work's start
 
     def start(self, data):
         """`data`, made to wait for this replica's start time; and the start time."""
         started = _clock_after(data, self._generation)
+        self._replica.booked, self._replica.since = tf.zeros((), tf.float64), started  # this replica's trace
         with tf.control_dependencies([started]):
             return tree.map_structure(waiting_copy, data), started
 
+    def timed(self, all_reduce):
+        """A replica context's `all_reduce`: the replica's wait for the others is not its busy time.
+
+        As `StepTiming.arrive` and `resume` in one process: the replica's work
+        up to its value is booked, and its work starts again once the sum exists.
+        """
+
+        def reduce(reduce_op, value, options=None):
+            since = getattr(self._replica, "since", None)
+            if since is None or not _waited_for(value):
+                return all_reduce(reduce_op, value, options)
+            arrived = _clock_after((value, since), self._generation)  # value made before: no work since
+            self._replica.booked += arrived - since
+            result = all_reduce(reduce_op, value, options)
+            self._replica.since = _clock_after((result, arrived), self._generation)
+            return result
+
+        return reduce
+
     def record(self, started, computed, updated, rows) -> None:
         """Adds this replica's step once `computed` (its gradients) and `updated` (the weights) exist."""
-        busy = _clock_after(computed, self._generation) - started
+        since, booked = self._replica.since, self._replica.booked
+        self._replica.since = None
+        busy = booked + _clock_after((computed, since), self._generation) - since
         step = _clock_after(updated, self._generation) - started
         replica = tf.distribute.get_replica_context().replica_id_in_sync_group
         row = tf.stack([busy, tf.cast(rows, tf.float64), step, tf.ones((), tf.float64)])

@@ -57,6 +57,7 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel.packed_apply import PackedApply
 from kerasmulti._src.utils.nesting import Nesting
+from kerasmulti._src.utils.patching import patched
 
 # The steps a template may override that this module runs for it.
 STEPS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
@@ -271,20 +272,6 @@ def assigned_variables(template) -> list:
     seeds = {id(g.state) for layer in keras_private.flatten_layers(template)
              for g in keras_private.seed_generators(layer)}
     return [v for v in template.variables if id(v) not in seeds]
-
-
-@contextlib.contextmanager
-def patched(pairs):
-    """Sets instance attributes (name, function) on objects, removing them on the way out."""
-    done = []
-    try:
-        for obj, name, function in pairs:
-            object.__setattr__(obj, name, function)
-            done.append((obj, name))
-        yield
-    finally:
-        for obj, name in reversed(done):
-            object.__delattr__(obj, name)
 
 
 def _replica_context(template, compiled: bool):

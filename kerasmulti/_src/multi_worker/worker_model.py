@@ -35,8 +35,8 @@ around what breaks Keras 3 `fit` there:
   order drawn from a seed the chief chooses (`worker_inputs`).
 - fit, evaluate and predict end with a barrier, and a lost worker becomes a
   `ClusterError` that says to restart the job (it resumes from a backup).
-- `ThroughputMonitor` times each replica inside the step
-  (`balance.ReplicaTiming`) and gathers every worker's figures at each
+- `ThroughputMonitor` times each replica inside the step, not counting its
+  waits in collectives (`balance.ReplicaTiming`), and gathers every worker's figures at each
   epoch's end, a collective: `fit` checks first that every worker has one.
 """
 
@@ -64,6 +64,7 @@ from kerasmulti._src.multi_worker import accumulation as _accumulation
 from kerasmulti._src.multi_worker import adoption as _adoption
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
 from kerasmulti._src.multi_worker import worker_steps as _worker_steps
+from kerasmulti._src.utils import patching as _patching
 
 
 class WorkerModel(ParallelModel):
@@ -202,6 +203,13 @@ class WorkerModel(ParallelModel):
         return self._template(inputs, training=training)
 
     def train_step(self, data):
+        if self._timing is None:
+            return self._train_step(data)
+        context = tf.distribute.get_replica_context()  # its replicas' waits in collectives are not busy time
+        with _patching.patched([(context, "all_reduce", self._timing.timed(context.all_reduce))]):
+            return self._train_step(data)
+
+    def _train_step(self, data):
         if self._timing is not None:
             data, started = self._timing.start(data)
         if self._custom is not None:  # the template's own step (`worker_steps.py`)

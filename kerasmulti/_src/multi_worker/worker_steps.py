@@ -59,6 +59,7 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
 from kerasmulti._src.multi_worker import accumulation as _accumulation
+from kerasmulti._src.utils import patching as _patching
 
 
 def replica_rows(data):
@@ -84,7 +85,7 @@ def run(template, step: str, data, compiled: bool = False):
     context = tf.distribute.get_replica_context()
     meets = _share_weighted_all_reduce(context.all_reduce, share)  # this replica's own context
     with _for_the_worker(("step", id(template)), lambda: _patches(template, compiled)), \
-            _custom_steps.patched([(context, "all_reduce", meets)]), _unseeded_draws_explained(template, step):
+            _patching.patched([(context, "all_reduce", meets)]), _unseeded_draws_explained(template, step):
         logs = getattr(template, step)(data)
     first = tf.cast(tf.equal(context.replica_id_in_sync_group, 0), tf.float32)
     return tree.map_structure(lambda value: _weighted_log(value, share, first, context.num_replicas_in_sync), logs)
@@ -181,7 +182,7 @@ def _patches(template, compiled: bool):
         if not variable.trainable and id(variable) not in normalising:
             pairs += [(variable, name, _first_replica_assign(variable, getattr(variable, name)))
                       for name in ("assign", "assign_add", "assign_sub")]
-    with _compiled_calls_of(template, compiled), _custom_steps.patched(pairs), _unscaled_losses(), \
+    with _compiled_calls_of(template, compiled), _patching.patched(pairs), _unscaled_losses(), \
             _synchronized_batchnorm(batchnorm_layers(template)), _replica_seeds(template):
         yield
 
@@ -366,7 +367,7 @@ def _synchronized_batchnorm(layers):
 def _replica_seeds(template):
     """Inside: the template's seed generators give each replica a seed of its own (see the module docstring)."""
     generators = [g for layer in keras_private.flatten_layers(template) for g in keras_private.seed_generators(layer)]
-    with _custom_steps.patched([(g, "next", _replica_next(g.next)) for g in generators]):
+    with _patching.patched([(g, "next", _replica_next(g.next)) for g in generators]):
         yield
 
 

@@ -1,1 +1,1 @@
-"""Small helpers with no Keras in them: atomic writes, machine load, fault points, argument checks."""
+"""Small helpers with no Keras in them: atomic writes, machine load, fault points, argument checks, patches."""
