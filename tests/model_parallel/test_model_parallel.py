@@ -298,6 +298,9 @@ def test_device_names_are_checked_like_parallelize():
         kerasmulti.remap_devices(_towers(), {"/cpu:1": "/gpu:1"})
     with pytest.raises(TypeError, match=r"places a Keras layer.*Received: layer=function"):
         kerasmulti.on_device(lambda x: x, "/cpu:0")
+    placed = kerasmulti.on_device(keras.layers.Dense(2, name="d"), "/cpu:0")
+    with pytest.raises(ValueError, match=r"'d' is placed on /device:CPU:0 already.*Received: layer='d_on_cpu0'$"):
+        kerasmulti.on_device(placed, "/cpu:1")
     with pytest.raises(TypeError, match=r"describes a keras.Model.*Received: model=Dense"):
         kerasmulti.placement_summary(keras.layers.Dense(1))
 
@@ -458,3 +461,29 @@ def test_a_model_loaded_inside_a_scope_keeps_its_own_placement(tmp_path):
         assert [layer.name for layer in loaded.layers] == [layer.name for layer in model.layers]
         data = _pairs() if len(model.inputs) == 2 else x
         np.testing.assert_allclose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), rtol=1e-6)
+
+
+def test_a_layer_called_twice_in_one_scope_runs_through_one_wrapper_and_saves(tmp_path):
+    # Keras refuses two layers of one name in a model: `d(d(x))` placed twice on one device did.
+    def build(placed):
+        keras.utils.set_random_seed(3)
+        inputs, shared = keras.Input((4,)), keras.layers.Dense(4, activation="tanh", name="shared")
+        with kerasmulti.device_scope("/cpu:1") if placed else contextlib.nullcontext():
+            hidden = shared(shared(inputs))
+        with kerasmulti.device_scope("/cpu:1") if placed else contextlib.nullcontext():
+            hidden = shared(hidden)  # another block on the same device: the same wrapper again
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    model, reference = build(True), build(False)
+    wrappers = [layer for layer in model.layers if isinstance(layer, kerasmulti.OnDevice)]
+    assert [(w.name, w.device) for w in wrappers] == [("shared_on_cpu1", "/device:CPU:1")]
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    np.testing.assert_allclose(history["loss"], reference.fit(x, y, batch_size=8, epochs=2, verbose=0).history["loss"], rtol=1e-6)
+    model.save(tmp_path / "twice.keras")
+    loaded = kerasmulti.load_model(tmp_path / "twice.keras")
+    assert [(w.name, w.device) for w in loaded.layers if isinstance(w, kerasmulti.OnDevice)] == [("shared_on_cpu1", "/device:CPU:1")]
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)

@@ -345,7 +345,7 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
-def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compiled():
+def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compiled(tmp_path):
     # One wrapper per layer (two would share a name, which Keras refuses); the model's
     # compile, optimizer and its state come along, as with a model loaded from a file.
     def build():
@@ -365,6 +365,30 @@ def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compi
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
     # The model it was cut from trains the moved weights (its step, traced on the old ones, is traced again).
     _assert_same(reference, model, reference.fit(**data, **FIT).history, model.fit(**data, **FIT).history)
+    # Saved, it loads placed again: the layer called twice through one wrapper (two would share a name).
+    piped.save(tmp_path / "cut.keras")
+    loaded = kerasmulti.load_model(tmp_path / "cut.keras")
+    assert [w.device for w in loaded.layers if isinstance(w, kerasmulti.OnDevice)] == [w.device for w in kerasmulti.unwrap(piped).layers if isinstance(w, kerasmulti.OnDevice)]
+    np.testing.assert_allclose(loaded.predict(data["x"], verbose=0), reference.predict(data["x"], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_the_cut_leaves_operations_that_are_not_layers_unplaced_and_trains_with_one_devices_numbers():
+    # Embedding's mask (a NotEqual node) and keras.ops calls are nodes of the graph too.
+    def build():
+        keras.utils.set_random_seed(9)
+        tokens = keras.Input((5,), dtype="int32")
+        steps = keras.layers.LSTM(4)(keras.layers.Embedding(9, 4, mask_zero=True)(tokens))
+        return keras.Model(tokens, keras.layers.Dense(2)(keras.ops.relu(steps) * 2.0))
+
+    reference, model = build(), build()
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=3)
+    assert piped.stages == ["/device:CPU:0", "/device:CPU:1"]
+    placed = [type(w.layer).__name__ for w in kerasmulti.unwrap(piped).layers if isinstance(w, kerasmulti.OnDevice)]
+    assert placed == ["Embedding", "LSTM", "Dense"]
+    data = _masked_data()
+    for m in (reference, piped):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
 def test_a_pipeline_sums_each_gradient_on_its_stages_device_not_the_hosts():

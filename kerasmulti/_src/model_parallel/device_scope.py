@@ -19,7 +19,7 @@ import keras
 from kerasmulti._src import keras_private
 from kerasmulti._src.devices import resolve_device
 from kerasmulti._src.model_parallel import scopes as _scopes
-from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.model_parallel.on_device import OnDevice, placed
 
 _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
@@ -37,7 +37,7 @@ def _scoped_call(self, *args, **kwargs):
     # saved with: wrapping its layers again would rename them, and its
     # weights would no longer match.
     if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not keras_private.keras_is_deserialising(skip=2):
-        return OnDevice(self, device, _validated=True)(*args, **kwargs)
+        return placed(self, device)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
 
 
@@ -50,7 +50,7 @@ def _scoped_sequential_build(self, input_shape=None):
     device = _scopes.innermost()
     if device and not keras_private.keras_is_deserialising(skip=2):
         keras_private.set_sequential_layers(self, [
-            layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else OnDevice(layer, device, _validated=True)
+            layer if isinstance(layer, (OnDevice, keras.layers.InputLayer)) else placed(layer, device)
             for layer in keras_private.sequential_layers(self)
         ])
     with _scopes.suspended():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -52,6 +53,11 @@ class OnDevice(keras.layers.Layer):
     """
 
     def __init__(self, layer, device: str, _validated: bool = False, **kwargs):
+        if isinstance(layer, OnDevice):
+            raise ValueError(
+                f"Layer '{layer.layer.name}' is placed on {layer.device} already. Place the layer itself, "
+                f"once per device. Received: layer={layer.name!r}"
+            )
         kwargs.setdefault("name", f"{layer.name}_on_{_short(device)}")
         super().__init__(**kwargs)
         # The process has a placed layer now: `model.save` of a placed model
@@ -132,6 +138,24 @@ class OnDevice(keras.layers.Layer):
         layer = _shared_layer(config.pop("layer"), config.pop("layer_id", None))
         # Devices are not checked here: the file may come from another machine.
         return cls(layer, config.pop("device"), _validated=True, **config)
+
+
+_wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (id(layer), device): its wrapper
+
+
+def placed(layer, device: str) -> OnDevice:
+    """`layer`'s wrapper for `device` (a canonical name), one per pair while it is in use.
+
+    A layer called twice on one device (`d(d(x))` in one scope, a shared layer
+    in one pipeline stage) goes through one wrapper, called twice: Keras
+    refuses two layers of one name in a model. A wrapper holds its layer, so
+    the layer's id stays its own while the entry lives.
+    """
+    key = (id(layer), device)
+    wrapper = _wrappers.get(key)
+    if wrapper is None or wrapper.layer is not layer or wrapper.device != device:  # moved by `remap_devices`
+        wrapper = _wrappers[key] = OnDevice(layer, device, _validated=True)
+    return wrapper
 
 
 def _layer_id(layer) -> tuple[int | None, bool]:

@@ -39,7 +39,7 @@ from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import resolve_device, resolve_devices
 from kerasmulti._src.model_parallel import schedules as _schedules
 from kerasmulti._src.model_parallel import segments as _segments
-from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.model_parallel.on_device import OnDevice, placed
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
 from kerasmulti._src.utils.arguments import is_int
 
@@ -293,11 +293,13 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
             f"pipeline() cannot cut {len(layers)} layer(s) into {len(devices)} stages. Pass fewer gpus=. "
             f"Received: gpus={len(devices)}"
         )
-    placed = {}  # one wrapper per layer: a layer called twice goes through it twice, as before
+    stages = {}  # one wrapper per layer: a layer called twice goes through it twice, as before
     for stage, (start, end) in enumerate(_balanced(len(devices), [_cost(layer) for layer in layers])):
         for layer in layers[start:end]:
-            placed[id(layer)] = OnDevice(layer, devices[stage], _validated=True)
-    piped = rebuilt(model, lambda layer, node: placed[id(layer)])
+            stages[id(layer)] = placed(layer, devices[stage])
+    # An operation that is not a layer (a keras.ops call, the mask Embedding adds) is not placed,
+    # as in device_scope: TensorFlow chooses its device (docs/model-parallel.md).
+    piped = rebuilt(model, lambda layer, node: stages.get(id(layer), layer))
     if model.compiled:  # compiled as the model was, with its optimizer and its state
         piped.compile(**dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
     return piped
@@ -332,7 +334,7 @@ def _in_graph_order(model: keras.Model) -> list:
     layers = []
     for depth in sorted(by_depth, reverse=True):
         for node in by_depth[depth]:
-            if not node.is_input and node.operation not in layers:
+            if isinstance(node.operation, keras.layers.Layer) and not node.is_input and node.operation not in layers:
                 layers.append(node.operation)
     return layers
 

@@ -34,6 +34,7 @@ def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
 
     Raises:
         TypeError: If `layer` is not a Keras layer, or `device` not a string.
+        ValueError: If `layer` is an `OnDevice` layer already.
         DeviceError: If the device does not exist on this machine.
 
     Example:
