@@ -423,6 +423,9 @@ def test_callback_accessors_read_what_they_say(tmp_path):
     assert os.path.exists(path)
     assert not _keras_private.checkpoint_should_save(checkpoint, 1, None, {"loss": 3.0}, path)
     assert _keras_private.checkpoint_should_save(checkpoint, 1, None, {"loss": 1.0}, path)
+    maximised = keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), monitor="acc", mode="max")
+    _keras_private.set_monitor_op(maximised)
+    assert maximised.monitor_op(2.0, 1.0) and not maximised.monitor_op(1.0, 2.0)
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     paths = _keras_private.backup_paths(backup)
     assert sorted(os.path.basename(p) for p in paths.values()) == sorted(

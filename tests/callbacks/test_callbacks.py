@@ -254,18 +254,65 @@ def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path):
     assert _batches_before(error, parallel, x, y, checkpoint) == (1, 0)
 
 
-@pytest.mark.parametrize("name, save_freq", [
-    ("{val_acc}", "epoch"),  # not a metric of this model
-    ("{val_loss}", 1),  # batch-level saves see the batch's logs, without val_ metrics
-    ("{batch}", "epoch"),  # Keras fills batch in only for batch-level saves
+@pytest.mark.parametrize("name, save_freq, why", [
+    ("{val_loss}", 1, "this model does not report"),  # batch-level saves see the batch's logs, without val_ metrics
+    ("{mea}", 2, "this model does not report"),
+    ("{batch}", "epoch", "saves at an epoch's end do not have"),  # Keras fills batch in only for batch-level saves
 ])
-def test_a_field_the_logs_never_have_is_refused_after_the_first_batch(tmp_path, name, save_freq):
+def test_a_field_the_logs_never_have_is_refused_after_the_first_batch(tmp_path, name, save_freq, why):
     _, parallel, x, y = _setup()
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / f"m-{name}.keras"), save_freq=save_freq)
     missing = name.strip("{}")
-    error = pytest.raises(ValueError, match=rf"filepath names \['{missing}'\], which this model does not report.*Received: filepath=")
+    error = pytest.raises(ValueError, match=rf"filepath names \['{missing}'\], which {why}.*Received: filepath=")
     assert _batches_before(error, parallel, x, y, checkpoint, validation_data=(x, y)) == (1, 0)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["min", "max", "auto"])
+def test_the_best_checkpoint_every_few_batches_is_saved_as_keras_would_at_an_epochs_end(tmp_path, mode):
+    # Keras 3.15's ModelCheckpoint sets its comparison at an epoch's end only: its second
+    # batch-level save crashed (TypeError: 'NoneType' object is not callable).
+    _, parallel, x, y = _setup()
+    path = tmp_path / "best-{epoch:02d}-{batch}.keras"
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(path), monitor="loss", mode=mode, save_best_only=True, save_freq=2)
+    losses = []
+    recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: losses.append(logs["loss"]))
+    parallel.fit(x, y, batch_size=5, epochs=2, verbose=0, callbacks=[recorder, checkpoint])
+    better = (lambda a, b: a > b) if mode == "max" else (lambda a, b: a < b)
+    expected, best = [], None
+    for step in range(1, len(losses), 2):  # every second batch: 3 saves in each epoch of 6 batches
+        if best is None or better(losses[step], best):
+            best = losses[step]
+            expected.append(f"best-{step // 6 + 1:02d}-{step % 6 + 1}.keras")  # Keras counts batches from 1
+    assert sorted(os.listdir(tmp_path)) == sorted(expected) and len(expected) >= 1
+
+
+def test_an_epoch_field_no_log_has_is_refused_at_the_first_save(tmp_path):
+    # Another callback may add it to the epoch's logs (next test): the epoch's end is the first sure moment.
+    _, parallel, x, y = _setup()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m-{val_acc}.keras"))
+    error = pytest.raises(ValueError, match=r"names \['val_acc'\], which this epoch's logs do not have.*Received: filepath=")
+    assert _batches_before(error, parallel, x, y, checkpoint, validation_data=(x, y)) == (3, 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_fields_other_callbacks_add_to_the_epoch_logs_fill_the_filepath_in_as_keras_does(tmp_path):
+    # LearningRateScheduler adds learning_rate to the epoch's logs; a callback listed first, a score of its own.
+    class Score(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["val_f1"] = 0.5 + 0.1 * epoch
+
+    _, parallel, x, y = _setup()
+    paths = {name: str(tmp_path / name / "m-{epoch:02d}-{val_f1:.3f}-{learning_rate:.4f}.keras") for name in ("keras", "ours")}
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.01 / (epoch + 1))
+    checkpoints = {
+        "keras": keras.callbacks.ModelCheckpoint(paths["keras"], monitor="val_f1", mode="max", save_best_only=True),
+        "ours": kerasmulti.ParallelModelCheckpoint(paths["ours"], monitor="val_f1", mode="max", save_best_only=True),
+    }
+    parallel.fit(x, y, batch_size=10, epochs=2, verbose=0, callbacks=[Score(), schedule, *checkpoints.values()])
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "keras")) == [
+        "m-01-0.500-0.0100.keras", "m-02-0.600-0.0050.keras"
+    ]
 
 
 def test_a_val_field_without_validation_data_fails_at_the_first_save(tmp_path):

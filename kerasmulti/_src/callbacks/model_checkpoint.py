@@ -202,9 +202,12 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
                 f"ParallelModelCheckpoint's monitor is one this model does not report. Pass one of {sorted(known)}. "
                 f"Received: monitor={self.monitor!r}"
             )
-        # Batch-level saves fill the filepath in from the batch's logs, which have no val_ metrics.
-        available = (reported | {"batch"}) if self.save_freq != "epoch" else known
-        self._check_fields(available | {"epoch"}, "this model does not report")
+        if self.save_freq != "epoch":  # filled in from the batch's logs, which have no val_ metrics
+            self._check_fields(reported | {"batch", "epoch"}, "this model does not report")
+        elif "batch" in self._names:  # Keras fills batch in for batch-level saves only
+            self._check_fields(known | {"epoch"}, "saves at an epoch's end do not have (save_freq='epoch')")
+        # Other fields of an epoch-level save are checked at its end: other callbacks
+        # add to the epoch's logs (LearningRateScheduler's learning_rate).
 
     def _check_fields(self, available: set, why: str) -> None:
         missing = sorted(self._names - available)
@@ -219,6 +222,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         logs = logs or {}
         given = set(logs) | {"epoch"} | ({"batch"} if batch is not None else set())
         self._check_fields(given, f"this {'epoch' if batch is None else 'batch'}'s logs do not have")
+        if self.save_best_only and self.monitor_op is None:  # Keras sets it at an epoch's end: batch saves crashed
+            keras_private.set_monitor_op(self)
         filepath = keras_private.checkpoint_file_path(self, epoch, batch, logs)
         if not keras_private.checkpoint_should_save(self, epoch, batch, logs, filepath):
             return

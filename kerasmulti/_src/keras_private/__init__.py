@@ -293,6 +293,11 @@ def checkpoint_should_save(callback, epoch, batch, logs, filepath) -> bool:
     return callback._should_save_model(epoch, batch, logs, filepath)
 
 
+def set_monitor_op(callback) -> None:
+    """Sets a `MonitorCallback`'s comparison (`monitor_op`) from its mode and the model's metrics."""
+    callback._set_monitor_op()
+
+
 def backup_paths(callback) -> dict:
     """`BackupAndRestore`'s four files: the latest and previous weights and training metadata."""
     return {
@@ -329,7 +334,8 @@ __all__ = [
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
     "optimizer_trainable_variables", "rekey_optimizer", "reinitialize", "variable_key", "dataset_count", "dataset_inputs", "own_metrics",
-    "sum_gradients_with", "seed_generators", "set_sequential_layers", "keras_is_deserialising", "DESERIALISING", "set_initial_epoch",
+    "sum_gradients_with", "seed_generators", "set_monitor_op", "set_sequential_layers", "keras_is_deserialising",
+    "DESERIALISING", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
