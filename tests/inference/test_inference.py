@@ -147,11 +147,26 @@ def test_another_model_or_input_is_refused(tmp_path):
         kerasmulti.parallel_predict(model, x + 1, output=path, verbose=0)
 
 
-def test_an_unreadable_output_file_is_refused(tmp_path):
-    path = tmp_path / "out.h5"
-    path.write_bytes(b"not hdf5 at all")
-    with pytest.raises(ValueError, match=r"out.h5. is damaged \(not a readable HDF5 file\).*Received: output="):
+def test_a_file_that_is_not_hdf5_is_refused_as_not_ours_and_left_alone(tmp_path):
+    # A mistyped output naming the user's model, say: choose another path, never "delete it".
+    path = tmp_path / "model.keras"
+    path.write_bytes(b"PK\x03\x04 a zip file, not hdf5")
+    with pytest.raises(ValueError, match=r"model.keras' is not an HDF5 file, so parallel_predict\(\) did not write it\. Choose another output path\. Received: output="):
         kerasmulti.parallel_predict(_two_outputs(), _data(4), output=str(path), verbose=0)
+    assert path.read_bytes() == b"PK\x03\x04 a zip file, not hdf5"
+
+
+def test_an_empty_file_at_the_output_path_is_written_as_a_new_one(tmp_path):
+    # A name reserved with `touch` or tempfile.NamedTemporaryFile: nothing in it to resume or to lose.
+    model, x = _two_outputs(), _data(6)
+    path = tmp_path / "out.h5"
+    path.write_bytes(b"")
+    expected = model.predict(x, verbose=0)
+    kerasmulti.parallel_predict(model, x, output=str(path), verbose=0)
+    with h5py.File(path, "r") as f:
+        assert sorted(f) == ["features", "score"]
+        for name, value in zip(["features", "score"], expected):
+            np.testing.assert_allclose(f[name][()], value, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5, "8", True])

@@ -37,6 +37,7 @@ from kerasmulti._src.utils import atomic as _atomic
 
 PROGRESS = "kerasmulti_rows_done"
 MODEL = "kerasmulti_model"
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of every HDF5 file h5py writes (no user block)
 
 
 def check_path(output) -> str:
@@ -181,8 +182,19 @@ def reserve(path: str) -> None:
             pass
 
 
+def absent(path: str) -> bool:
+    """Whether there is nothing to resume at `path`: no file, or an empty one (reserved by `touch`)."""
+    return not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0)
+
+
 def open_existing(path: str, attributes: dict) -> h5py.File:
     """Opens a file to resume, refusing one that is damaged, not kerasmulti's, or another run's."""
+    with open(path, "rb") as file:  # before anything opens it for writing: it may not be ours
+        if file.read(len(_SIGNATURE)) != _SIGNATURE:
+            raise ValueError(
+                f"'{path}' is not an HDF5 file, so parallel_predict() did not write it. Choose another output path. "
+                f"Received: output={path!r}"
+            )
     try:
         reserve(path)
     except OSError as error:

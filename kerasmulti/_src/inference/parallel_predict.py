@@ -243,7 +243,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
     spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
     _check_row_shapes(template, source, sample, names, spec, output)
     _output_file.check_extra_names(extra, names)
-    if not os.path.exists(output):
+    if _output_file.absent(output):
         _output_file.create(output, source.rows, spec, names, attributes, extra)
     with _output_file.open_existing(output, attributes) as f:
         done = _output_file.rows_done(f)
