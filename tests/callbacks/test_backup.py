@@ -70,6 +70,14 @@ def _damage(path):
         f.write("0")  # as Keras' own test damages a backup
 
 
+def _damage_inside(path):
+    """Zeroes bytes in the middle, as a failing disk might: the file still opens."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\0" * 200)
+
+
 @pytest.mark.parametrize("make", [keras.callbacks.BackupAndRestore, kerasmulti.ParallelBackupAndRestore])
 def test_double_checkpoint_writes_the_files_keras_writes(tmp_path, make):
     _interrupted(make(str(tmp_path), double_checkpoint=True))
@@ -85,15 +93,19 @@ def test_callback_model_is_the_model_being_trained(tmp_path):
     assert backup.model is parallel
 
 
-@pytest.mark.parametrize("damaged", ["latest.weights.h5", "training_metadata.json"])
-def test_a_damaged_backup_falls_back_to_the_previous_one_with_a_warning(tmp_path, damaged):
+@pytest.mark.parametrize("damaged, damage", [
+    ("latest.weights.h5", _damage), ("training_metadata.json", _damage),
+    # Keras reads it as weights that do not fit the model: it is damage all the same.
+    ("latest.weights.h5", _damage_inside),
+])
+def test_a_damaged_backup_falls_back_to_the_previous_one_with_a_warning(tmp_path, damaged, damage):
     if damaged == "training_metadata.json":
         # ParallelBackupAndRestore reads the epoch from inside its weights file;
         # Keras' weights file has none, so Keras' JSON file is what counts.
         weights = _interrupted(keras.callbacks.BackupAndRestore(str(tmp_path), double_checkpoint=True))
     else:
         weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))
-    _damage(tmp_path / damaged)
+    damage(tmp_path / damaged)
     backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True, delete_checkpoint=False)
     with pytest.warns(UserWarning, match=rf"The backup '.*{damaged}' is damaged .*resuming from the previous one\. Received: backup_dir="):
         epoch, start = _resume(backup)
@@ -182,7 +194,7 @@ def test_bad_backup_dirs_are_refused_at_construction(backup_dir, error, message)
 
 
 @pytest.mark.parametrize("keywords, error, message", [
-    ({"save_freq": 0}, ValueError, r"save_freq must be 'epoch' or a positive int.*Received: save_freq=0"),
+    ({"save_freq": 0}, ValueError, r"save_freq: it must be 'epoch' or a positive int.*Received: save_freq=0"),
     ({"save_freq": -3}, ValueError, r"Received: save_freq=-3"),
     ({"double_checkpoint": "no"}, TypeError, r"double_checkpoint must be True or False.*Received: double_checkpoint='no'"),
     ({"delete_checkpoint": 1}, TypeError, r"delete_checkpoint must be True or False.*Received: delete_checkpoint=1"),
@@ -200,9 +212,11 @@ def test_a_weights_file_that_no_backup_wrote_is_refused_saying_so(tmp_path):
         _resume(kerasmulti.ParallelBackupAndRestore(str(tmp_path)))
 
 
-def test_bad_save_freq_is_keras_error():
-    with pytest.raises(ValueError, match=r"Invalid value for argument `save_freq`. Received: save_freq=batch"):
-        kerasmulti.ParallelBackupAndRestore("backup", save_freq="batch")
+@pytest.mark.parametrize("save_freq", ["batch", 1.5, None, True, False])
+def test_a_save_freq_that_is_neither_epoch_nor_a_positive_int_is_refused(save_freq):
+    # Keras' own says only "Invalid value", and takes a bool as 0 or 1 batches.
+    with pytest.raises(ValueError, match=rf"save_freq: it must be 'epoch' or a positive int\. Received: save_freq={re.escape(repr(save_freq))}$"):
+        kerasmulti.ParallelBackupAndRestore("backup", save_freq=save_freq)
 
 
 @pytest.mark.filterwarnings("ignore:The backup '.*' is damaged:UserWarning")  # test_backup_corrupted's

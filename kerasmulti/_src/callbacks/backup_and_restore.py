@@ -133,10 +133,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                 "ParallelBackupAndRestore's backup_dir must be a folder path, e.g. 'backup'. "
                 f"Received: backup_dir={backup_dir!r}"
             )
-        if save_freq != "epoch" and _arguments.is_int(save_freq) and save_freq < 1:
-            raise ValueError(
-                f"ParallelBackupAndRestore's save_freq must be 'epoch' or a positive int. Received: save_freq={save_freq!r}"
-            )
+        _arguments.check_save_freq(save_freq, "ParallelBackupAndRestore")
         _arguments.check_bool(double_checkpoint, "ParallelBackupAndRestore", "double_checkpoint", "keep the previous backup too")
         _arguments.check_bool(delete_checkpoint, "ParallelBackupAndRestore", "delete_checkpoint", "delete the backup at the end")
         super().__init__(backup_dir, save_freq, double_checkpoint, delete_checkpoint)
@@ -256,6 +253,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         except OSError as error:
             raise _Damaged(weights, error) from error
         except ValueError as error:
+            unreadable = _unreadable(weights)  # Keras reports a damaged object as one that does not fit
+            if unreadable is not None:
+                raise _Damaged(weights, unreadable) from error
             # Keras' own reason (the parallel model's load_weights wraps it).
             keras_error = error.__cause__ if isinstance(error.__cause__, ValueError) else error
             self._refuse(weights, _persistence.keras_load_reason(keras_error))
@@ -342,6 +342,21 @@ def _read_metadata(weights: str, metadata: str) -> dict:
     except (OSError, ValueError) as error:
         raise _Damaged(source, error) from error
     return fields
+
+
+def _unreadable(path: str) -> Exception | None:
+    """The error that reading every object of HDF5 file `path` raises; None: the file reads whole."""
+
+    def read(name, item):
+        if isinstance(item, h5py.Dataset):
+            item[()]
+
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems(read)
+    except Exception as error:  # h5py raises OSError, KeyError or RuntimeError for a damaged object
+        return error
+    return None
 
 
 def _count(value) -> bool:

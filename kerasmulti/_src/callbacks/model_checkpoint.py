@@ -133,11 +133,7 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
                 f"Received: filepath={filepath!r}"
             )
         check_local(filepath, "ParallelModelCheckpoint", "filepath")
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
-            raise ValueError(
-                "ParallelModelCheckpoint's save_freq must be 'epoch' or a positive int. "
-                f"Received: save_freq={save_freq!r}"
-            )
+        _arguments.check_save_freq(save_freq, "ParallelModelCheckpoint")
         if not isinstance(monitor, str):
             raise TypeError(
                 "ParallelModelCheckpoint's monitor must be a metric name, e.g. 'val_loss'. "
@@ -153,9 +149,11 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
             raise ValueError(
                 f"ParallelModelCheckpoint's verbose must be 0 or 1. Received: verbose={verbose!r}"
             )
+        _arguments.check_bool(save_best_only, "ParallelModelCheckpoint", "save_best_only", "keep only the best file")
+        _arguments.check_bool(save_weights_only, "ParallelModelCheckpoint", "save_weights_only", "save weights only")
         if initial_value_threshold is not None and not _arguments.is_real(initial_value_threshold):
             raise TypeError(
-                "ParallelModelCheckpoint's initial_value_threshold must be a number or None. "
+                "ParallelModelCheckpoint's initial_value_threshold must be a finite number or None. "
                 f"Received: initial_value_threshold={initial_value_threshold!r}"
             )
         super().__init__(

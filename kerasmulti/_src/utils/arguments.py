@@ -20,6 +20,12 @@ def is_positive_int(value) -> bool:
     return is_int(value) and value >= 1
 
 
+def check_save_freq(save_freq, caller: str) -> None:
+    """Refuses a callback's `save_freq` that is neither "epoch" nor a positive int (a bool included)."""
+    if not (isinstance(save_freq, str) and save_freq == "epoch") and not is_positive_int(save_freq):
+        raise ValueError(f"Invalid value for {caller}'s save_freq: it must be 'epoch' or a positive int. Received: save_freq={save_freq!r}")
+
+
 def is_real(value) -> bool:
     """True for a finite real number, numpy's included; False for bools."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
