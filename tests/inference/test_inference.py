@@ -169,6 +169,11 @@ def test_an_empty_file_at_the_output_path_is_written_as_a_new_one(tmp_path):
             np.testing.assert_allclose(f[name][()], value, rtol=1e-6, atol=1e-6)
 
 
+def test_bad_gpus_are_refused_naming_parallel_predict():
+    with pytest.raises(kerasmulti.DeviceError, match=r"^parallel_predict\(\) expects gpus as a positive int.*Received: gpus='a'$"):
+        kerasmulti.parallel_predict(_two_outputs(), _data(4), gpus="a")
+
+
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5, "8", True])
 def test_bad_batch_size_is_refused(batch_size):
     with pytest.raises(ValueError, match=f"Received: batch_size={batch_size!r}"):
@@ -178,7 +183,7 @@ def test_bad_batch_size_is_refused(batch_size):
 def test_unreadable_data_and_wrong_shapes_are_refused():
     with pytest.raises(TypeError, match=r"reads numpy arrays.*Received: data=str"):
         kerasmulti.parallel_predict(_two_outputs(), "x.npy")
-    with pytest.raises(ValueError, match=r"do not fit model.*\(6,\).*Received: row shapes \(5,\)"):
+    with pytest.raises(ValueError, match=r"do not fit model.*\(6,\).*Received: row_shapes=\(5,\)"):
         kerasmulti.parallel_predict(_two_outputs(), np.zeros((4, 5), "float32"))
     with pytest.raises(ValueError, match=r"same number of rows.*Received: rows per input \[3, 4\]"):
         kerasmulti.parallel_predict(_two_outputs(), [np.zeros((3, 6)), np.zeros((4, 6))])
@@ -363,7 +368,7 @@ def test_reader_thread_ends_when_prediction_fails():
 
 
 def test_empty_input_is_refused():
-    with pytest.raises(ValueError, match=r"no rows.*Received: 0 rows"):
+    with pytest.raises(ValueError, match=r"no rows.*Received: rows=0"):
         kerasmulti.parallel_predict(_two_outputs(), _data(0))
 
 
@@ -607,7 +612,7 @@ def test_a_pipeline_is_read_once_when_results_come_back_in_memory(tmp_path):
     kerasmulti.parallel_predict(model, dataset, gpus=DEVICES, verbose=0, output=str(tmp_path / "out.h5"))
     assert len(reads) > 5
     empty = tf.data.Dataset.from_tensor_slices(np.zeros((0, x.shape[1]), "float32")).batch(4)
-    with pytest.raises(ValueError, match="no rows.*Received: 0 rows"):
+    with pytest.raises(ValueError, match="no rows.*Received: rows=0"):
         kerasmulti.parallel_predict(model, empty, verbose=0)
 
 

@@ -196,7 +196,7 @@ def parallel_predict(
     source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(
-            "parallel_predict() got an input with no rows. Pass data with at least one row. Received: 0 rows"
+            "parallel_predict() got an input with no rows. Pass data with at least one row. Received: rows=0"
         )
     _sources.check_inputs(template, source.sample())
     verbose = 1 if verbose == "auto" else verbose
@@ -308,7 +308,7 @@ def _parallel_of(model, gpus, devices) -> LocalParallelModel:
     """
     check_model(model)  # the errors parallelize() gives, in its order
     # In a cluster too, inference runs on this worker's devices alone.
-    key = tuple(resolve_devices(gpus, devices))
+    key = tuple(resolve_devices(gpus, devices, caller="parallel_predict()"))
     # Only outside an autocast scope (as here) is `value` the variable itself.
     built_on = [*keras_private.flatten_layers(model, include_self=False), *(v.value for v in model.variables)]
     cache = model.__dict__.setdefault(_CACHE, {})

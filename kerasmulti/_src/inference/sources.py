@@ -369,7 +369,7 @@ def check_inputs(model, sample) -> None:
     if not fits:
         raise ValueError(
             f"The input rows do not fit model '{model.name}', which takes {_shapes(expected)}. "
-            f"Reshape the data. Received: row shapes {_shapes(got)}"
+            f"Reshape the data. Received: row_shapes={_shapes(got)}"
         )
 
 

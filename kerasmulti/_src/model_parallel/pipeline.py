@@ -36,7 +36,7 @@ from kerasmulti._src.data_parallel import relocation as _relocation
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
 from kerasmulti._src.data_parallel.wrap import check_model
-from kerasmulti._src.devices import resolve_device, resolve_devices
+from kerasmulti._src.devices import DeviceError, known_devices, resolve_device, resolve_devices
 from kerasmulti._src.model_parallel import schedules as _schedules
 from kerasmulti._src.model_parallel import segments as _segments
 from kerasmulti._src.model_parallel.on_device import OnDevice, placed
@@ -241,6 +241,12 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
             raise ValueError(
                 "pipeline() needs a model placed over 2+ devices (device_scope), or gpus= to cut it. "
                 f"Received: stages={placed}"
+            )
+        missing = [device for device in placed if device not in known_devices()]
+        if missing:  # a model loaded on another machine
+            raise DeviceError(
+                f"pipeline() got a model placed on {', '.join(missing)}, which this machine does not have. Move them "
+                f"with kerasmulti.remap_devices(model, {{'{missing[0]}': '/cpu:0'}}). Received: stages={placed}"
             )
         stages = [resolve_device(device, "pipeline()") for device in placed]
     else:
