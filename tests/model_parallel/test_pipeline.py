@@ -336,6 +336,10 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     # 7 layers, a third of 3,110 each: 800, 1,120, 1,190.
     assert devices == ["/device:CPU:0"] * 2 + ["/device:CPU:1"] * 2 + ["/device:CPU:2"] * 3
     assert piped.stages == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+    # The pipeline's summary is its template's (the layers' names, not under the wrapper's).
+    summary = kerasmulti.placement_summary(piped)
+    assert [row["layer"] for row in summary.rows] == [layer.name for layer in placed.layers]
+    assert [row["device"] for row in summary.rows] == devices
     # Each stage's weights live on its device (they were all made on CPU:0), as device_scope makes them.
     for wrapper in placed.layers:
         assert [v.value.device[-5:] for v in wrapper.layer.weights] == [wrapper.device[-5:]] * 2

@@ -7,6 +7,7 @@ import math
 import keras
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.parallel_model import unwrap
 from kerasmulti._src.keras_private import make_node_key
 from kerasmulti._src.model_parallel.on_device import OnDevice
 
@@ -131,7 +132,8 @@ def placement_summary(model: keras.Model) -> PlacementSummary:
     Args:
         model: A built functional or Sequential model, placed with
             `device_scope` or `on_device` (unplaced layers are listed with
-            device None: they run wherever the model runs).
+            device None: they run wherever the model runs), or a `pipeline`
+            or parallel model of one (its template's placement).
 
     Returns:
         A `PlacementSummary`: printable, with the data in `.rows` and
@@ -157,6 +159,6 @@ def placement_summary(model: keras.Model) -> PlacementSummary:
             f"Received: model={type(model).__name__}"
         )
     rows, crossings = [], []
-    _add_rows(model, "", rows, crossings, {})
+    _add_rows(unwrap(model), "", rows, crossings, {})  # a pipeline's (or parallel model's) template
     return PlacementSummary(rows, crossings)
 
