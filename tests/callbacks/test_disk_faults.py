@@ -138,3 +138,16 @@ def test_a_backup_on_a_broken_disk_fails_clearly_and_the_same_fit_resumes_when_f
     assert epochs == [1, 2]
     for got, expected in zip(model.get_weights(), uninterrupted.get_weights()):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_read_only_file_system_is_named_as_such_at_construction(disk):
+    disk.read_only()
+    try:
+        for make, name in (
+            (lambda: kerasmulti.ParallelModelCheckpoint(str(disk.folder / "m.keras")), "filepath"),
+            (lambda: kerasmulti.ParallelBackupAndRestore(str(disk.folder / "backup")), "backup_dir"),
+        ):
+            with pytest.raises(ValueError, match=rf"cannot write into '.*disk': its file system is read-only\. Pick another folder\. Received: {name}="):
+                make()
+    finally:
+        disk.writable()

@@ -305,8 +305,10 @@ def check_target(path, caller: str, name: str, value, folder: bool = False) -> N
             f"{caller} cannot create the folder for its {name}: '{existing}' is a file. Remove it. Received: {name}={value!r}"
         )
     if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = hasattr(os, "statvfs") and os.statvfs(existing).f_flag & os.ST_RDONLY
+        reason = "its file system is read-only" if read_only else "permission denied"
         raise ValueError(
-            f"{caller} cannot write into '{existing}': permission denied. Pick another folder. Received: {name}={value!r}"
+            f"{caller} cannot write into '{existing}': {reason}. Pick another folder. Received: {name}={value!r}"
         )
 
 
