@@ -219,7 +219,8 @@ class CompiledReplicas:
         if training:
             shares = [tf.cast(s, tf.float32) for s in plan.shares]
             with tf.device(self._update_device):
-                self._update([r["gradients"] for r in results], [r["state"] for r in results], shares)
+                self._update([r["gradients"] for r in results], [r["state"] for r in results], shares,
+                             [r["rows"] for r in results])
         return [(_with_masks(r["y_pred"], r["masks"]), r["loss"]) for r in results]
 
     def _arguments(self, pieces, plan, loss_scale):
@@ -248,11 +249,21 @@ class CompiledReplicas:
                     timing.end(i, results[-1])
         return results
 
-    def _apply(self, gradients, states, shares):
-        """Sums the replicas' packed gradients, applies them, assigns the non-trainable state."""
+    def _apply(self, gradients, states, shares, rows):
+        """Sums the replicas' packed gradients, applies them, assigns the non-trainable state.
+
+        Sparse gradients (`rows`: an Embedding's, each replica's values and
+        indices) are joined as the uncompiled step joins them (`split.joined_rows`):
+        an optimizer that is not linear in the gradient (Adam) updates as on one device.
+        """
         template = self._template
         if len(self._trainable):
-            values = self._trainable.unpack(_packing.summed(gradients))
+            dense, joined = iter(self._dense.unpack(_packing.summed(gradients))), iter(zip(*rows))
+            values = [
+                _split.joined_rows([tf.IndexedSlices(v, i, tf.constant(tuple(variable.shape))) for v, i in next(joined)], False)
+                if sparse else next(dense)
+                for sparse, variable in zip(self._sparse, template.trainable_variables)
+            ]
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
             values = [g if connected else None for g, connected in zip(values, self._connected)]
             self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))
@@ -293,19 +304,22 @@ class CompiledReplicas:
         self._traced_needs_counts = local.needs_counts
         if mode == "count":
             return {"counts": tf.stack(local.counts) if local.counts else tf.zeros((0,))}
-        gradients = {}
+        gradients, rows = {}, []
         if training:
             gradients = tape.gradient(scaled, trainable) if trainable else []
             self._connected = [g is not None for g in gradients]
-            gradients = [
-                tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(gradients, trainable)
-            ]
-            gradients = self._trainable.pack(gradients)
+            # An Embedding's gradient lists a row per lookup: those stay rows (`_apply`), packed they would be a table.
+            self._sparse = [isinstance(g, tf.IndexedSlices) and not _split.listed_once(g.indices) for g in gradients]
+            rows = [(g.values, g.indices) for g, sparse in zip(gradients, self._sparse) if sparse]
+            dense = [(g, v) for g, v, sparse in zip(gradients, trainable, self._sparse) if not sparse]
+            self._dense = _packing.Layout([v for _, v in dense])
+            gradients = self._dense.pack([tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in dense])
         return {
             "y_pred": y_pred,
             "masks": tree.map_structure(get_keras_mask, y_pred),
             "loss": loss,
             "gradients": gradients,
+            "rows": rows,
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
             "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }

@@ -225,16 +225,21 @@ def sum_gradients(gradients):
     if all(isinstance(g, tf.IndexedSlices) for g in present):
         if len(present) == 1:
             return present[0]
-        values = tf.concat([g.values for g in present], axis=0)
-        indices = tf.concat([g.indices for g in present], axis=0)
-        if all(_listed_once(g.indices) for g in present):
-            indices, position = tf.unique(indices)
-            values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
-        return tf.IndexedSlices(values, indices, present[0].dense_shape)
+        return joined_rows(present, all(listed_once(g.indices) for g in present))
     return tf.add_n([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in present])
 
 
-def _listed_once(indices) -> bool:
+def joined_rows(gradients: list, once: bool) -> tf.IndexedSlices:
+    """The replicas' sparse gradients of one variable as one: rows joined, summed where `once` (`sum_gradients`)."""
+    values = tf.concat([g.values for g in gradients], axis=0)
+    indices = tf.concat([g.indices for g in gradients], axis=0)
+    if once:
+        indices, position = tf.unique(indices)
+        values = tf.math.unsorted_segment_sum(values, position, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradients[0].dense_shape)
+
+
+def listed_once(indices) -> bool:
     """Whether a sparse gradient's rows come out of a `tf.unique`, read from the graph being traced.
 
     False where that cannot be read (a step run eagerly): the rows are then joined as they are.
