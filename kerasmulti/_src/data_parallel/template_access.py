@@ -17,6 +17,7 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import keras
@@ -68,6 +69,8 @@ class TemplateAccess:
         A model loaded from a `.keras` file comes compiled, its optimizer
         holding its state: the parallel model trains it without a new compile.
         """
+        if self.compiled and self._custom is None:
+            _warn_if_compiled_apart(self)
         if self.compiled or not getattr(self._template, "compiled", False):
             return
         if self._custom is not None:
@@ -137,3 +140,20 @@ def _defined_by_user_class(cls, name: str) -> bool:
     """Whether `name` is defined by a class of `cls`' hierarchy that is not Keras' own."""
     return any(name in vars(c) for c in cls.__mro__ if not c.__module__.startswith(("keras.", "keras_hub.")))
 
+
+_warned_apart: weakref.WeakSet = weakref.WeakSet()  # templates warned about, once each
+
+
+def _warn_if_compiled_apart(model) -> None:
+    """Warns once where the template was compiled again after the parallel model: the two then train apart."""
+    template = model._template
+    optimizer = getattr(template, "optimizer", None)
+    if optimizer is None or optimizer is model.optimizer or template in _warned_apart:
+        return
+    _warned_apart.add(template)
+    warnings.warn(
+        "The template was compiled after the parallel model: training keeps the parallel model's compile, and "
+        "save() writes the template's. Compile the parallel model instead. "
+        f"Received: template.optimizer={type(optimizer).__name__}",
+        stacklevel=4,
+    )
