@@ -95,14 +95,32 @@ def test_predict_and_evaluate_refuse_a_batch_size_of_zero():
 
 def test_rows_must_agree_and_exist():
     x, y = _xy(10)
-    with pytest.raises(ValueError, match=r"x arrays with different numbers of rows.*one per sample.*Received: rows x 10, y 8"):
+    with pytest.raises(ValueError, match=r"x arrays with different numbers of rows.*one per sample.*Received: rows=\{'x': 10, 'y': 8\}$"):
         _parallel().fit(x, y[:8], verbose=0)
-    with pytest.raises(ValueError, match=r"Received: rows x 10, y 10, sample_weight 7"):
+    with pytest.raises(ValueError, match=r"Received: rows=\{'x': 10, 'y': 10, 'sample_weight': 7\}$"):
         _parallel().fit(x, y, sample_weight=np.ones(7), verbose=0)
     with pytest.raises(ValueError, match=r"fit\(\) got x arrays with no rows.*Received: rows=0"):
         _parallel().fit(x[:0], y[:0], verbose=0)
     with pytest.raises(ValueError, match=r"predict\(\) got x arrays with no rows"):
         _parallel().predict(x[:0], verbose=0)
+
+
+def test_the_on_batch_calls_check_their_arrays_as_fit_evaluate_and_predict_do():
+    # Unchecked, a replica's loss failed on its sub-batch: "Dimensions must be equal, but are 3 and 4".
+    x, y = _xy()
+    parallel = _parallel()
+    with pytest.raises(ValueError, match=r"^train_on_batch\(\) got x arrays with different numbers of rows.*Received: rows=\{'x': 8, 'y': 3\}$"):
+        parallel.train_on_batch(x, y[:3])
+    with pytest.raises(ValueError, match=r"^test_on_batch\(\) got x arrays.*Received: rows=\{'x': 8, 'y': 8, 'sample_weight': 2\}$"):
+        parallel.test_on_batch(x, y, sample_weight=np.ones(2))
+    with pytest.raises(ValueError, match=r"^predict_on_batch\(\) got x rows of shape \(7,\).*Received: x.shape=\(8, 7\)$"):
+        parallel.predict_on_batch(np.zeros((8, 7), "float32"))
+    reference = keras.models.clone_model(kerasmulti.unwrap(parallel))
+    reference.set_weights(kerasmulti.unwrap(parallel).get_weights())
+    reference.compile("sgd", "mse")
+    np.testing.assert_allclose(parallel.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-6)
+    np.testing.assert_allclose(parallel.test_on_batch(x, y), reference.test_on_batch(x, y), rtol=1e-6)
+    np.testing.assert_allclose(parallel.predict_on_batch(x), reference.predict_on_batch(x), rtol=1e-6)
 
 
 def test_inputs_are_checked_against_the_model():
@@ -171,8 +189,14 @@ def test_targets_are_checked_against_the_output():
 
 def test_sparse_labels_must_be_classes_of_the_output():
     x, _ = _xy()
-    with pytest.raises(ValueError, match=r"labels outside classes 0 to 2.*use 6 units.*Received: y labels 0 to 5"):
+    with pytest.raises(ValueError, match=r"labels outside classes 0 to 2\. Remap, or use 6 units\. Received: y.min\(\)=0, y.max\(\)=5$"):
         _parallel(3, "softmax", "sparse_categorical_crossentropy").fit(x, np.array([0, 1, 2, 5] * 2), verbose=0)
+    with pytest.raises(ValueError, match=r"outside classes 0 to 2\. Remap them\. Received: y.min\(\)=-2, y.max\(\)=1$"):
+        _parallel(3, "softmax", "sparse_categorical_crossentropy").fit(x, np.array([0, 1, -2, 1] * 2), verbose=0)
+    # Soft targets for a sparse loss: "use 2 units" (what the model has) was the advice.
+    with pytest.raises(ValueError, match=r"labels that are not class indices.*categorical_crossentropy.*Received: y.dtype=float32$"):
+        _parallel(2, "softmax", "sparse_categorical_crossentropy").evaluate(x, np.random.default_rng().normal(size=(8, 1)).astype("float32"), verbose=0)
+    _parallel(3, "softmax", "sparse_categorical_crossentropy").fit(x, np.array([0.0, 1.0, 2.0, 1.0] * 2), verbose=0)  # whole floats
     ignoring = _parallel(3, "softmax", keras.losses.SparseCategoricalCrossentropy(ignore_class=-1))
     ignoring.fit(x, np.array([0, 1, 2, -1] * 2), verbose=0)
     with pytest.raises(ValueError, match=r"class_weight for class 7.*has classes 0 to 2.*Received: class_weight keys=\[0, 7\]"):

@@ -96,6 +96,11 @@ def check_predict(model, arguments: dict) -> None:
     _check_arrays("predict", model, arguments)
 
 
+def check_batch(method: str, model, x, y=None, sample_weight=None) -> None:
+    """Refuses what `train_on_batch`, `test_on_batch` or `predict_on_batch` would fail on in a replica."""
+    _check_data(method, model, dict(x=x, y=y, sample_weight=sample_weight), "x")
+
+
 def _check_compiled(method: str, model) -> None:
     if not model.compiled:
         raise ValueError(
@@ -132,10 +137,10 @@ def _check_data(method: str, model, data: dict, argument: str) -> None:
         return
     rows = {name: [len(a) for a in tree.flatten(value)] for name, value in present.items()}
     if len({n for counts in rows.values() for n in counts}) > 1:
-        sizes = ", ".join(f"{name} {'/'.join(map(str, counts))}" for name, counts in rows.items())
+        sizes = {name: counts[0] if len(counts) == 1 else counts for name, counts in rows.items()}
         raise ValueError(
             f"{method}() got {argument} arrays with different numbers of rows. Give one per sample. "
-            f"Received: rows {sizes}"
+            f"Received: rows={sizes}"
         )
     if rows["x"][0] == 0:
         raise ValueError(f"{method}() got {argument} arrays with no rows. Pass at least one row. Received: rows=0")
@@ -144,7 +149,7 @@ def _check_data(method: str, model, data: dict, argument: str) -> None:
         return  # its own steps read the data as they please
     for name, tensor, array in _paired(method, template, data["x"], argument):
         _check_input(method, template, name, tensor, array, argument)
-    if method != "predict":
+    if not method.startswith("predict"):
         _check_targets(method, model, data["x"], data["y"], argument)
 
 
@@ -315,12 +320,18 @@ def _check_labels(method: str, model, y: np.ndarray, output, loss, argument: str
         return
     ignored = None if callable(loss) and not isinstance(loss, keras.losses.Loss) else loss.get_config().get("ignore_class")
     labels = y[y != ignored] if ignored is not None else y
-    if labels.size and (labels.min() < 0 or labels.max() >= classes):
-        name = "y" if argument == "x" else argument
-        low, high = labels.min(), labels.max()
+    name = "y" if argument == "x" else argument
+    if labels.size and y.dtype.kind == "f" and not np.array_equal(labels, np.round(labels)):
         raise ValueError(
-            f"{method}() got labels outside classes 0 to {classes - 1}. "
-            f"Remap, or use {int(high) + 1} units. Received: {name} labels {low:g} to {high:g}"
+            f"{method}() got labels that are not class indices, for a sparse crossentropy. Pass ints, or use "
+            f"categorical_crossentropy for one-hot or soft targets. Received: {name}.dtype={y.dtype}"
+        )
+    if labels.size and (labels.min() < 0 or labels.max() >= classes):
+        low, high = labels.min(), labels.max()
+        fix = f"Remap, or use {int(high) + 1} units" if low >= 0 else "Remap them"
+        raise ValueError(
+            f"{method}() got labels outside classes 0 to {classes - 1}. {fix}. "
+            f"Received: {name}.min()={low:g}, {name}.max()={high:g}"
         )
 
 

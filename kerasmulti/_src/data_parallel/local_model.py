@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import balance as _balance
+from kerasmulti._src.data_parallel import call_checks as _call_checks
 from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import epoch_order as _epoch_order
@@ -87,6 +88,21 @@ class LocalParallelModel(ParallelModel):
         arguments = _feeding.bound(keras.Model.predict, args, kwargs)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         return super().predict(**_feeding.predict_arguments(arguments, model=self))
+
+    def train_on_batch(self, x, y=None, sample_weight=None, *args, **kwargs):
+        """As `keras.Model.train_on_batch`; arrays are checked as `fit` checks them."""
+        _call_checks.check_batch("train_on_batch", self, x, y, sample_weight)
+        return super().train_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, *args, **kwargs):
+        """As `keras.Model.test_on_batch`; arrays are checked as `evaluate` checks them."""
+        _call_checks.check_batch("test_on_batch", self, x, y, sample_weight)
+        return super().test_on_batch(x, y, sample_weight, *args, **kwargs)
+
+    def predict_on_batch(self, x):
+        """As `keras.Model.predict_on_batch`; arrays are checked as `predict` checks them."""
+        _call_checks.check_batch("predict_on_batch", self, x)
+        return super().predict_on_batch(x)
 
     @property
     def split(self) -> list[float] | None:
