@@ -179,6 +179,8 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
         ([], "needs to know the workers. Pass --workers N"),
         (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
         (["--workers", "2", "--max-restarts", "-1"], "max_restarts must be an int of 0 or more. Received: max_restarts=-1"),
+        (["--workers", "abc"], "argument --workers: must be an int. Received: 'abc'"),
+        (["--workers", "2", "--max-restarts", "x"], "argument --max-restarts: must be an int. Received: 'x'"),
         (["--hosts", "a:1,b:2", "--index", "0", "--max-restarts", "1"],
          "--max-restarts works with --workers only; a cluster's scheduler restarts its workers (sbatch --requeue). "
          "Drop --max-restarts, or use --workers. Received: max_restarts=1"),
@@ -207,6 +209,30 @@ def test_a_script_no_worker_could_run_is_refused_before_any_worker_starts(tmp_pa
     assert result.returncode == 2
     assert re.search(f"{message} Received: script='{re.escape(script)}'$", result.stderr.strip()), result.stderr
     assert "[worker" not in result.stdout and "resume" not in result.stdout + result.stderr
+
+
+def test_a_notebook_is_refused_saying_how_to_run_one(tmp_path):
+    # Its JSON compiles as Python: the workers ran it, did nothing, and the launcher exited 0.
+    (tmp_path / "train.ipynb").write_text('{"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}\n')
+    result = _kerasmulti("--workers", "2", "train.ipynb", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        "The script is a notebook, which workers cannot run; no worker was started. Export it (jupyter nbconvert "
+        "--to script), or call kerasmulti.launch() in the notebook. Received: script='train.ipynb'"
+    ), result.stderr
+
+
+@pytest.mark.parametrize("port, tasks, message", [
+    (70000, "2", "--port needs room for a node's 2 worker(s), on ports 1 to 65535. Pass one from 1 to 65534. Received: port=70000"),
+    (65535, "2(x2)", "Pass one from 1 to 65534. Received: port=65535"),  # its second worker would get 65536
+    (0, "1", "Pass one from 1 to 65535. Received: port=0"),
+])
+def test_a_slurm_port_with_no_room_for_a_nodes_workers_is_refused(port, tasks, message):
+    step = {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": tasks, "SLURMD_NODENAME": "localhost"}
+    result = _kerasmulti("--port", str(port), os.path.join(WORKERS, "cluster_info.py"), env=step)
+    assert result.returncode == 2
+    assert message in result.stderr and "Received: port" in result.stderr.strip().splitlines()[-1], result.stderr
 
 
 def test_what_python_runs_is_a_script_the_launcher_accepts(tmp_path):

@@ -4,6 +4,7 @@ from simulated import NEEDS_CLUSTER  # first: 3 simulated devices before TensorF
 
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -105,3 +106,48 @@ def test_a_port_taken_before_its_worker_started_starts_the_workers_again_elsewhe
     assert len(choices) == 2 and choices[1][1] != choices[0][1]
     assert f"another process took worker 1's port ({choices[0][1]}) before it started" in out.getvalue()
     assert "[worker 0] joined True" in out.getvalue() and "[worker 1] joined True" in out.getvalue()
+
+
+# A worker that backs up its step when stopped (as ParallelBackupAndRestore does), taking a while.
+_BACKING_UP = (
+    "import signal, sys, time\n"
+    "def stop(*_):\n"
+    "    time.sleep(1.0)\n"
+    "    sys.exit(42)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+_LAUNCHERS = {
+    # SLURM's srun, --hosts and TF_CONFIG: one worker per launcher (`run_one`).
+    "one worker": "sys.exit(supervisor.run_one([sys.executable, '-c', WORKER], dict(os.environ)))",
+    # --workers N: the launcher supervises them all.
+    "two workers": "supervisor.supervise([subprocess.Popen([sys.executable, '-c', WORKER]) for _ in range(2)], [], "
+                   "supervisor._Relay(sys.stderr))",
+}
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+@pytest.mark.parametrize("launcher", list(_LAUNCHERS))
+def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launcher, signals):
+    # One worker per launcher exited 143, not 42, so a job's requeue never came; `timeout` signals
+    # the launcher twice (directly and through its group), and the second signal killed it while
+    # its workers were still backing up.
+    workers = 2 if launcher == "two workers" else 1
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys\nfrom kerasmulti._src.multi_worker import supervisor\n"
+         f"WORKER = {_BACKING_UP!r}\n{_LAUNCHERS[launcher]}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert [launcher.stdout.readline() for _ in range(workers)] == ["ready\n"] * workers
+        for _ in range(signals):
+            launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 42, stderr[-2000:]
+    assert re.search(r"(the worker|every worker) backed up the step it reached\. Exiting with code 42 \(requeue\)", stderr)

@@ -76,7 +76,9 @@ target = trainable(template)
 history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
 evaluation = target.evaluate(x, y, batch_size=4, verbose=0)
 prediction = target.predict(x, batch_size=4, verbose=0)
-save("arrays", template, loss=history["loss"], mae=history["mae"], evaluation=evaluation, prediction=prediction)
+on_batch = target.predict_on_batch(x[:5])  # Keras' across workers: every row once per worker
+save("arrays", template, loss=history["loss"], mae=history["mae"], evaluation=evaluation, prediction=prediction,
+     on_batch=on_batch)
 
 # dataset, on a template compiled before parallelize (as one loaded from a .keras file)
 template = model(seed=0, batchnorm=False)

@@ -60,6 +60,13 @@ class _CtrlC:
             os._exit(INTERRUPTED)
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int. Received: {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -77,14 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--simulate",
-        type=int,
+        type=_int,
         metavar="N",
         help="without GPUs, split the CPU into N logical devices "
         f"(default {DEFAULT_SIMULATED}, or $KERASMULTI_SIMULATE_DEVICES)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a convnet on the digits data set, data-parallel")
-    demo.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    demo.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
     demo.add_argument("--epochs", type=_positive_int, default=5)
     demo.add_argument("--batch-size", type=_positive_int, default=128)
     demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
@@ -96,24 +103,24 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("input", help="an .h5 file (with --dataset), an .npy file, or a folder of images")
     predict.add_argument("--output", required=True, help="HDF5 file for the results (resumed if it exists)")
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
-    predict.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    predict.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
     predict.add_argument("--batch-size", type=_positive_int, default=32)
     launch = commands.add_parser(
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
     )
-    launch.add_argument("--workers", type=int, help="local worker processes on free localhost ports")
+    launch.add_argument("--workers", type=_int, help="local worker processes on free localhost ports")
     launch.add_argument(
-        "--devices-per-worker", type=int,
+        "--devices-per-worker", type=_int,
         help="GPUs per local worker (worker i sees GPUs i*K..i*K+K-1); without GPUs a worker is one replica",
     )
     launch.add_argument("--hosts", help="a real cluster: host1:port,host2:port (with --index)")
-    launch.add_argument("--index", type=int, help="which of --hosts this machine is")
+    launch.add_argument("--index", type=_int, help="which of --hosts this machine is")
     launch.add_argument(
-        "--port", type=int,
+        "--port", type=_int,
         help="under srun (one task per worker): the first port of the workers on each node (default: from SLURM_JOB_ID)",
     )
     launch.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K",
+        "--max-restarts", type=_int, default=0, metavar="K",
         help="with --workers: when a worker fails, start all workers again, up to K times "
         "(the script resumes from its ParallelBackupAndRestore backup)",
     )

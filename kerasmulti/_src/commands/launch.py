@@ -69,12 +69,20 @@ def _check_combination(args) -> None:
             f"--index needs --hosts. Pass --hosts too, or drop --index. Received: index={args.index}"
         )
     slurm = in_slurm_step() and args.workers is None and args.hosts is None and not os.environ.get(ENV_CONFIG)
-    if args.port is not None and not (slurm and 0 < args.port < 65536):
+    if args.port is not None and not slurm:
         # Elsewhere --workers picks free ports and --hosts names them.
         raise LaunchError(
             f"--port sets the first port of a SLURM job step's workers. Run it under srun, or drop --port. "
             f"Received: port={args.port}"
         )
+    if args.port is not None:
+        # A node's workers listen on --port, --port + 1, ... (SLURM_STEP_TASKS_PER_NODE: "2(x3),1").
+        tasks = max(int(part.split("(")[0]) for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(","))
+        if not 0 < args.port <= 65536 - tasks:
+            raise LaunchError(
+                f"--port needs room for a node's {tasks} worker(s), on ports 1 to 65535. "
+                f"Pass one from 1 to {65536 - tasks}. Received: port={args.port}"
+            )
 
 
 def _check_script(script: str) -> None:
@@ -88,6 +96,11 @@ def _check_script(script: str) -> None:
         raise _script_error(script, f"There is no script at {os.path.abspath(script)}", "Check the path")
     elif not os.path.isfile(script):
         raise _script_error(script, "The script is not a regular file", "Pass the .py file")
+    if path.endswith(".ipynb"):  # JSON, which also compiles as Python: it would run and do nothing
+        raise _script_error(
+            script, "The script is a notebook, which workers cannot run",
+            "Export it (jupyter nbconvert --to script), or call kerasmulti.launch() in the notebook",
+        )
     if zipfile.is_zipfile(path):  # a zip application, which Python runs too
         return
     try:

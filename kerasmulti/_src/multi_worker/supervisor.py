@@ -152,11 +152,25 @@ def exit_code(returncode: int) -> int:
 
 
 def run_one(command: list[str], env: dict) -> int:
-    """Runs one worker's `command` and returns its exit code; stopping this stops it."""
+    """Runs one worker's `command` and returns its exit code; stopping this stops it.
+
+    Stopped by SIGTERM (SLURM's preemption), this process exits with the
+    worker's `REQUEUE_EXIT_CODE` once the worker backed up its step and exited with it.
+    """
     process = subprocess.Popen(command, env=env)
     try:
         with _stopped_with_this_process():
-            returncode = process.wait()
+            try:
+                returncode = process.wait()
+            except SystemExit:  # stopped: the worker backs up its step first
+                _stop([process])
+                if process.returncode != REQUEUE_EXIT_CODE:
+                    raise
+                sys.stderr.write(
+                    f"kerasmulti launch: SIGTERM received; the worker backed up the step it reached. Exiting with "
+                    f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
+                )
+                raise SystemExit(REQUEUE_EXIT_CODE) from None
     finally:
         _stop([process])
     if returncode < 0:  # exited as a shell reports it (137 for SIGKILL), not 256 - N
@@ -179,15 +193,18 @@ def supervise(processes, pumps, relay) -> int | None:
     failed, requeue = None, False
     try:
         with _stopped_with_this_process():
-            failed = _first_failure(processes)
+            try:
+                failed = _first_failure(processes)
+            except SystemExit:  # stopped: the workers back up their step first
+                relay.hold_back(processes)
+                _stop(processes)
+                requeue = all(p.returncode == REQUEUE_EXIT_CODE for p in processes)
+                if requeue:
+                    raise SystemExit(REQUEUE_EXIT_CODE) from None
+                raise
         if failed is not None:
             relay.hold_back(processes, keep=failed)
     except SystemExit:
-        relay.hold_back(processes)
-        _stop(processes)
-        requeue = all(p.returncode == REQUEUE_EXIT_CODE for p in processes)
-        if requeue:
-            raise SystemExit(REQUEUE_EXIT_CODE) from None
         raise
     except BaseException:  # Ctrl-C
         relay.hold_back(processes)
@@ -293,6 +310,32 @@ UNFORMED_GRACE_SECONDS = 2
 
 
 def _stop(processes, grace: float | None = None) -> None:
+    """Stops `processes` (SIGTERM, then SIGKILL after `grace` seconds); a SIGTERM or SIGHUP meanwhile is ignored.
+
+    Stopping already, this process must not die of a second signal (`timeout`
+    sends one to it and one to its group) before its workers have backed up.
+    """
+    if all(p.poll() is not None for p in processes):
+        return
+    with _ignoring_stops():
+        _stop_now(processes, grace)
+
+
+@contextlib.contextmanager
+def _ignoring_stops():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_now(processes, grace: float | None) -> None:
     for p in processes:
         if p.poll() is None:
             p.terminate()
@@ -326,7 +369,13 @@ def _default(handler) -> bool:
 
 
 def _terminated(signum, frame):
+    if _stopping[0]:
+        return  # a second signal (`timeout` sends one to this process and one to its group): stopping already
+    _stopping[0] = True
     raise SystemExit(128 + signum)  # runs the `finally` that stops the workers
+
+
+_stopping = [False]  # whether `_terminated` ran inside the current `_stopped_with_this_process`
 
 
 @contextlib.contextmanager
@@ -343,9 +392,11 @@ def _stopped_with_this_process():
     # Only where the signal would end this process: an ignored one (nohup)
     # or one the program handles stays as it is.
     # (A ParallelBackupAndRestore's handler left by a fit that raised acts as the default.)
+    _stopping[0] = False
     previous = {s: signal.signal(s, _terminated) for s in signals if _default(signal.getsignal(s))}
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _stopping[0] = False

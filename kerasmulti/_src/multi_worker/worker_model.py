@@ -172,6 +172,13 @@ class WorkerModel(ParallelModel):
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().predict, (), kwargs)
 
+    def predict_on_batch(self, x):
+        """Predicts one batch as `keras.Model.predict_on_batch`, each worker on its part of its rows.
+
+        Keras' own would run the whole batch on every replica and return its rows once per replica.
+        """
+        return self.predict(x, batch_size=int(tree.flatten(x)[0].shape[0]), verbose=0)
+
     def save(self, filepath, *args, **kwargs):
         """Saves the template on the chief only: every worker holds the same weights."""
         if _cluster.is_chief():
