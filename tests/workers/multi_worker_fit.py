@@ -144,13 +144,15 @@ template = tagger(0)
 target = template if reference else kerasmulti.parallelize(template)
 target.compile(optimizer=keras.optimizers.SGD(0.1), loss={"tags": "mse", "score": keras.losses.MeanSquaredError(reduction="sum")},
                loss_weights={"tags": 1.0, "score": 0.5})
-# A remainder batch of 2 rows; then even batches, where Keras' per-output logs
-# weigh batches alike whatever the shapes it traced; then one global batch.
+# A remainder batch of 2 rows, which Keras' per-output logs weigh as much as a
+# batch of 4 (the traced shapes leave the rows unknown); then even batches; then
+# one global batch.
+names = ("loss", "tags_loss", "score_loss")
 uneven = target.fit(padded, targets, sample_weight=weights, batch_size=4, epochs=1, shuffle=False, verbose=0).history
 even = target.fit(padded[:16], first(16, targets), sample_weight=first(16, weights), batch_size=8, epochs=1, shuffle=False, verbose=0).history
 evaluation = target.evaluate(padded, targets, sample_weight=weights, batch_size=22, verbose=0, return_dict=True)
-save("losses", template, uneven=uneven["loss"], even=[even[k] for k in ("loss", "tags_loss", "score_loss")],
-     evaluation=[evaluation[k] for k in ("loss", "tags_loss", "score_loss")])
+save("losses", template, uneven=[uneven[k] for k in names], even=[even[k] for k in names],
+     evaluation=[evaluation[k] for k in names])
 
 # coverage: the metric counts each sample's id (y) as it is seen
 if not reference:

@@ -82,7 +82,7 @@ def deferred_loss_metrics(model):
 
 @contextlib.contextmanager
 def recorded_by_share(model, share, rows, replicas: int):
-    """Across workers: per-output loss trackers record this replica's part / `share`, weighted by its `rows`.
+    """Across workers: per-output loss trackers record this replica's part / `share`, weighted as one device's.
 
     Under a strategy Keras records each value times the replica count,
     weighted by the batch's rows; recorded so instead, their mean across
@@ -92,7 +92,10 @@ def recorded_by_share(model, share, rows, replicas: int):
     def recorder(tracker):
         def update_state(values, sample_weight=None):
             scale = share * replicas  # Keras multiplied by the count
-            type(tracker).update_state(tracker, tf.math.divide_no_nan(values, scale), sample_weight=rows)
+            # Keras weighs a batch by its rows where their number is static, else each batch alike
+            # (`sample_weight` None): one device's mean over batches, with this replica's share of it.
+            weight = rows if sample_weight is not None else share
+            type(tracker).update_state(tracker, tf.math.divide_no_nan(values, scale), sample_weight=weight)
 
         return update_state
 
