@@ -317,19 +317,10 @@ def _stop(processes, grace: float | None = None) -> None:
     """
     if all(p.poll() is not None for p in processes):
         return
-    with _ignoring_stops():
-        _stop_now(processes, grace)
-
-
-@contextlib.contextmanager
-def _ignoring_stops():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    main = threading.current_thread() is threading.main_thread()  # where Python handles signals
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _STOP_SIGNALS} if main else {}
     try:
-        yield
+        _stop_now(processes, grace)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -376,6 +367,7 @@ def _terminated(signum, frame):
 
 
 _stopping = [False]  # whether `_terminated` ran inside the current `_stopped_with_this_process`
+_STOP_SIGNALS = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
 
 
 @contextlib.contextmanager
@@ -388,12 +380,11 @@ def _stopped_with_this_process():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     # Only where the signal would end this process: an ignored one (nohup)
     # or one the program handles stays as it is.
     # (A ParallelBackupAndRestore's handler left by a fit that raised acts as the default.)
     _stopping[0] = False
-    previous = {s: signal.signal(s, _terminated) for s in signals if _default(signal.getsignal(s))}
+    previous = {s: signal.signal(s, _terminated) for s in _STOP_SIGNALS if _default(signal.getsignal(s))}
     try:
         yield
     finally:
