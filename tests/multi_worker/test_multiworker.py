@@ -436,5 +436,10 @@ def test_the_throughput_monitor_gathers_every_worker_and_prints_on_the_chief(tmp
     for worker in workers:
         assert "passed to fit() on some workers only" in worker["refusal"]
         assert worker["refusal"].endswith("Received: workers_with_monitor=1 of 2")
+        # A cryptic collective error before ("expected ... data_type 9 but got ... 1"), or other numbers.
+        assert worker["batch_refusal"] == (
+            "fit() got another batch_size on each worker; every worker passes the same global data. "
+            "Pass the same on all. Received: batch_size=[8, 16] (by worker)"
+        )
         # TensorFlow lists every task's devices in a cluster; a worker's own are one CPU.
         assert worker["available_devices"] == ["/device:CPU:0"]

@@ -8,7 +8,8 @@ Worker 1's replica is slowed to half speed. Phases:
 - meetings: the guide's `train_step` (its replicas meet at `optimizer.apply`
   and the metrics), then a BatchNormalization model (its statistics), worker 1
   slowed again; their records.
-- refusal: a monitor on the chief only; each worker saves fit's error.
+- refusals: a monitor on the chief only, then another batch size on each
+  worker; each worker saves fit's errors.
 - devices: what `available_devices()` lists on each worker (its own only).
 
 Each worker writes OUT/worker-<index>.json.
@@ -91,6 +92,11 @@ try:
     parallel.fit(x, y, batch_size=48, verbose=0, callbacks=[kerasmulti.ThroughputMonitor()] if index == 0 else [])
 except ValueError as error:
     results["refusal"] = str(error)
+
+try:  # each worker another global batch size: refused on both, before a step runs
+    parallel.fit(x, y, batch_size=8 * (index + 1), verbose=0)
+except ValueError as error:
+    results["batch_refusal"] = str(error)
 
 results["available_devices"] = kerasmulti.available_devices()
 

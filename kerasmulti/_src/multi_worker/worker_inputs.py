@@ -90,6 +90,36 @@ def _per_worker_dataset(strategy, dataset_fn):
     return strategy.distribute_datasets_from_function(padded)
 
 
+def check_alike(strategy, arguments: dict, monitored: bool) -> None:
+    """Refuses a `fit` whose workers were given what must be alike on all of them (one collective).
+
+    A `ThroughputMonitor` on some workers only would leave the others' gathers
+    waiting; another global batch size, row count or epoch count would train
+    other batches on each worker (or fail in a collective, naming no cause).
+    """
+    x = arguments.get("x")
+    leaves = tree.flatten(x) if x is not None else []
+    rows = len(leaves[0]) if leaves and isinstance(leaves[0], np.ndarray) else -1
+    alike = {"batch_size": arguments.get("batch_size"), "rows": rows, "epochs": arguments.get("epochs"),
+             "steps_per_epoch": arguments.get("steps_per_epoch")}
+    values = [int(monitored)] + [v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in alike.values()]
+    local = len(strategy.extended.worker_devices)
+    table = gather_step(strategy, tf.constant(values, tf.int64)).numpy()[::local]  # one row per worker
+    if table[:, 0].any() and not table[:, 0].all():
+        raise ValueError(
+            "A ThroughputMonitor was passed to fit() on some workers only; it gathers every "
+            "worker's figures. Pass it on every worker, or on none. "
+            f"Received: workers_with_monitor={int(table[:, 0].sum())} of {len(table)}"
+        )
+    for column, name in enumerate(alike, start=1):
+        if len(set(table[:, column])) > 1:
+            given = [None if v == -1 else int(v) for v in table[:, column]]
+            raise ValueError(
+                f"fit() got another {name} on each worker; every worker passes the same global data. "
+                f"Pass the same on all. Received: {name}={given} (by worker)"
+            )
+
+
 @tf.autograph.experimental.do_not_convert
 def _gather(strategy, value):
     """`value` as every replica's worker holds it, stacked along a new first axis."""

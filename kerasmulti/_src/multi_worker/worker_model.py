@@ -148,7 +148,7 @@ class WorkerModel(ParallelModel):
         """
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         with _cluster.lost_workers_explained("fit()"):
-            _check_monitored_everywhere(self._strategy, arguments.get("callbacks"))
+            _worker_inputs.check_alike(self._strategy, arguments, bool(_monitor.monitors(arguments.get("callbacks"))))
             self._adopt_template_compile()
             _monitor.attach(self, arguments.get("callbacks"))
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
@@ -309,19 +309,6 @@ def _barrier(strategy):
 # Made once, traced once per strategy: a tf.function made at every call would
 # retrace every time, and TensorFlow warns about that after five.
 _barrier_step = tf.function(_barrier, autograph=False)
-
-
-def _check_monitored_everywhere(strategy, callbacks) -> None:
-    """Refuses a `ThroughputMonitor` on some workers only: its gathers would wait forever."""
-    monitored = bool(_monitor.monitors(callbacks))
-    flags = _worker_inputs.gather_step(strategy, tf.constant(int(monitored), tf.int64)).numpy()
-    if flags.any() and not flags.all():
-        local = len(strategy.extended.worker_devices)
-        raise ValueError(
-            "A ThroughputMonitor was passed to fit() on some workers only; it gathers every "
-            "worker's figures. Pass it on every worker, or on none. "
-            f"Received: workers_with_monitor={int(flags.sum()) // local} of {len(flags) // local}"
-        )
 
 
 def _cluster_devices(strategy) -> list[str]:
