@@ -179,8 +179,9 @@ class ReplicaTiming:
 
     Each replica adds its busy time (its batch to its gradients, less its
     waits in the collectives that `timed` wraps), rows and step time (its
-    batch to the updated weights) to its row of a table held in this process; `take` gathers every worker's rows, a collective that
-    every worker must run at the same point. Without a per-step collective,
+    batch to the updated weights) to its row of a table held in this
+    process; `take` gathers every worker's rows, a collective that every
+    worker must run at the same point. Without a per-step collective,
     the slowest replica's compute time is taken as the largest of the
     replicas' total busy times, and the step time likewise.
 

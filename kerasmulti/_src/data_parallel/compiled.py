@@ -153,7 +153,7 @@ class CompiledReplicas:
         if self._reads is not None and [id(v) for v in self._reads.variables] == [id(v) for v in variables]:
             return
         self._reads = _packing.DeviceReads(variables)
-        self._trainable = _packing.Layout(trainable)
+        self._trainable = len(trainable)  # the first values of `_reads`; their gradients' layout is traced (`_dense`)
         self._state = _packing.Layout(state)
         seed_ids = {
             id(generator.state)
@@ -257,11 +257,10 @@ class CompiledReplicas:
         an optimizer that is not linear in the gradient (Adam) updates as on one device.
         """
         template = self._template
-        if len(self._trainable):
+        if self._trainable:
             dense, joined = iter(self._dense.unpack(_packing.summed(gradients))), iter(zip(*rows))
             values = [
-                _split.joined_rows([tf.IndexedSlices(v, i, tf.constant(tuple(variable.shape))) for v, i in next(joined)], False)
-                if sparse else next(dense)
+                _joined(next(joined), variable) if sparse else next(dense)
                 for sparse, variable in zip(self._sparse, template.trainable_variables)
             ]
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
@@ -284,7 +283,7 @@ class CompiledReplicas:
         """One replica's work, traced for XLA: `mode` is "step", "count" or "forward"."""
         template = self._template
         values = self._reads.values(read)
-        count = len(self._trainable)
+        count = self._trainable
         trainable, state = values[:count], values[count:]
         state = [_replicas.seed_of_replica(v, replica) if seed else v for v, seed in zip(state, self._is_seed)]
         mapping = list(zip(template.trainable_variables, trainable))
@@ -323,6 +322,12 @@ class CompiledReplicas:
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
             "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }
+
+
+def _joined(rows, variable) -> tf.IndexedSlices:
+    """One variable's sparse gradient from each replica's (values, indices), joined (`split.joined_rows`)."""
+    shape = tf.constant(tuple(variable.shape))
+    return _split.joined_rows([tf.IndexedSlices(values, indices, shape) for values, indices in rows], once=False)
 
 
 def _with_masks(y_pred, masks):
