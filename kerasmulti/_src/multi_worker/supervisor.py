@@ -204,7 +204,7 @@ def supervise(processes, pumps, relay) -> int | None:
                 raise
         if failed is not None:
             relay.hold_back(processes, keep=failed)
-    except SystemExit:
+    except SystemExit:  # stopped, and its workers with it (above)
         raise
     except BaseException:  # Ctrl-C
         relay.hold_back(processes)
