@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -120,6 +121,20 @@ _BACKING_UP = (
 )
 
 
+def _wait_until_it_handles_sigterm(pid: int) -> None:
+    """Waits until process `pid` catches SIGTERM (Linux's /proc: the SigCgt mask); generous, not a deadline."""
+    status = f"/proc/{pid}/status"
+    if not os.path.exists(status):
+        pytest.skip("needs Linux's /proc to see the launcher's signal handlers")
+    for _ in range(6000):  # 60 s: far beyond a busy machine's scheduling delays
+        with open(status) as file:
+            caught = next(int(line.split()[1], 16) for line in file if line.startswith("SigCgt:"))
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the launcher never installed its SIGTERM handler")
+
+
 _LAUNCHERS = {
     # SLURM's srun, --hosts and TF_CONFIG: one worker per launcher (`run_one`).
     "one worker": "sys.exit(supervisor.run_one([sys.executable, '-c', WORKER], dict(os.environ)))",
@@ -143,6 +158,7 @@ def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launc
     )
     try:
         assert [launcher.stdout.readline() for _ in range(workers)] == ["ready\n"] * workers
+        _wait_until_it_handles_sigterm(launcher.pid)  # a busy machine may not have run that far yet
         for _ in range(signals):
             launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=120)
@@ -151,3 +167,18 @@ def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launc
             launcher.kill()
     assert launcher.returncode == 42, stderr[-2000:]
     assert re.search(r"(the worker|every worker) backed up the step it reached\. Exiting with code 42 \(requeue\)", stderr)
+
+
+def test_a_late_second_sigterm_is_ignored_while_nested_supervision_ends():
+    # `run_cluster` supervises inside its own `_stopped_with_this_process`; the inner one set the flag
+    # back as it ended, so a second SIGTERM (in the pumps' join, say) replaced the workers' 42 with 143.
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with _supervisor._stopped_with_this_process():
+            with pytest.raises(SystemExit) as first, _supervisor._stopped_with_this_process():
+                _supervisor._terminated(signal.SIGTERM, None)
+            assert first.value.code == 128 + signal.SIGTERM
+            assert _supervisor._terminated(signal.SIGTERM, None) is None  # stopping already: ignored
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and _supervisor._stopping == [False]
+    finally:
+        signal.signal(signal.SIGTERM, term)

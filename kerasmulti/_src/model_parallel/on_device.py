@@ -146,10 +146,11 @@ _wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (id(la
 def placed(layer, device: str) -> OnDevice:
     """`layer`'s wrapper for `device` (a canonical name), one per pair while it is in use.
 
-    A layer called twice on one device (`d(d(x))` in one scope, a shared layer
-    in one pipeline stage) goes through one wrapper, called twice: Keras
-    refuses two layers of one name in a model. A wrapper holds its layer, so
-    the layer's id stays its own while the entry lives.
+    `device_scope`'s: a layer called twice on one device (`d(d(x))`) goes
+    through one wrapper, called twice, since Keras refuses two layers of one
+    name in a model; models built from that layer share the wrapper (and
+    `remap_devices` moves it in each). A wrapper holds its layer, so the
+    layer's id stays its own while the entry lives.
     """
     key = (id(layer), device)
     wrapper = _wrappers.get(key)

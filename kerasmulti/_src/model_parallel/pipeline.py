@@ -39,7 +39,7 @@ from kerasmulti._src.data_parallel.wrap import check_model
 from kerasmulti._src.devices import DeviceError, known_devices, resolve_device, resolve_devices
 from kerasmulti._src.model_parallel import schedules as _schedules
 from kerasmulti._src.model_parallel import segments as _segments
-from kerasmulti._src.model_parallel.on_device import OnDevice, placed
+from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, rebuilt
 from kerasmulti._src.utils.arguments import is_int
 
@@ -302,7 +302,7 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
     stages = {}  # one wrapper per layer: a layer called twice goes through it twice, as before
     for stage, (start, end) in enumerate(_balanced(len(devices), [_cost(layer) for layer in layers])):
         for layer in layers[start:end]:
-            stages[id(layer)] = placed(layer, devices[stage])
+            stages[id(layer)] = OnDevice(layer, devices[stage], _validated=True)  # this cut's own
     # An operation that is not a layer (a keras.ops call, the mask Embedding adds) is not placed,
     # as in device_scope: TensorFlow chooses its device (docs/model-parallel.md).
     piped = rebuilt(model, lambda layer, node: stages.get(id(layer), layer))

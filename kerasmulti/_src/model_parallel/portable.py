@@ -38,7 +38,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.parallel_model import unwrap
 from kerasmulti._src.keras_private import saving_lib
 from kerasmulti._src.model_parallel import scopes as _scopes
-from kerasmulti._src.model_parallel.on_device import OnDevice, placed
+from kerasmulti._src.model_parallel.on_device import OnDevice
 from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebuilt
 from kerasmulti._src.utils.arguments import check_readable_file
 
@@ -267,7 +267,13 @@ def _placed_again(model, config: dict, done: dict):
         if not devices:
             return target
         device = devices[0 if sequential else own_calls(model, layer).index(node)]
-        return placed(target, device) if device else target
+        if not device:
+            return target
+        # One wrapper per layer and device in this load (a layer called twice there goes through it twice).
+        key = ("wrapper", id(target), device)
+        if key not in done:
+            done[key] = OnDevice(target, device, _validated=True)
+        return done[key]
 
     return rebuilt(model, choose)
 

@@ -383,11 +383,13 @@ def _stopped_with_this_process():
     # Only where the signal would end this process: an ignored one (nohup)
     # or one the program handles stays as it is.
     # (A ParallelBackupAndRestore's handler left by a fit that raised acts as the default.)
-    _stopping[0] = False
     previous = {s: signal.signal(s, _terminated) for s in _STOP_SIGNALS if _default(signal.getsignal(s))}
+    if previous:  # the outermost: a nested one (`run_cluster`'s `supervise`) leaves the flag to it
+        _stopping[0] = False
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        _stopping[0] = False
+        if previous:
+            _stopping[0] = False
