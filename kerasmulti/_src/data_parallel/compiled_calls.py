@@ -27,7 +27,6 @@ layers: a loop's forward program would hand TensorLists to its gradient's.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import threading
@@ -41,6 +40,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import packing as _packing
 from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 from kerasmulti._src.utils.nesting import Nesting
+from kerasmulti._src.utils.patching import patched
 
 _tracing = Nesting()  # per replica thread: inside the trace of a compiled call
 _local = threading.local()  # per replica thread: why the last trace stopped
@@ -184,13 +184,6 @@ def not_compilable(unit) -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def compiled(layers: list):
     """Inside: each of `layers` runs its calls as XLA programs (`CompiledCall`)."""
-    for layer in layers:
-        object.__setattr__(layer, "call", CompiledCall(layer))
-    try:
-        yield
-    finally:
-        for layer in layers:
-            object.__delattr__(layer, "call")
+    return patched([(layer, "call", CompiledCall(layer)) for layer in layers])

@@ -25,6 +25,7 @@ from kerasmulti._src import cluster as _cluster
 from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.data_parallel.epoch_order import shuffle_seed  # noqa: F401 (the chief's seed)
 from kerasmulti._src.keras_private import array_data_adapter, array_slicing
+from kerasmulti._src.utils.arguments import is_int
 
 
 def fit_arguments(strategy, arguments: dict, seed: int) -> dict:
@@ -102,7 +103,7 @@ def check_alike(strategy, arguments: dict, monitored: bool) -> None:
     rows = len(leaves[0]) if leaves and isinstance(leaves[0], np.ndarray) else -1
     alike = {"batch_size": arguments.get("batch_size"), "rows": rows, "epochs": arguments.get("epochs"),
              "steps_per_epoch": arguments.get("steps_per_epoch")}
-    values = [int(monitored)] + [v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in alike.values()]
+    values = [int(monitored)] + [int(v) if is_int(v) else -1 for v in alike.values()]
     local = len(strategy.extended.worker_devices)
     table = gather_step(strategy, tf.constant(values, tf.int64)).numpy()[::local]  # one row per worker
     if table[:, 0].any() and not table[:, 0].all():
