@@ -19,6 +19,7 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
+from kerasmulti._src.multi_worker import parent_death
 from kerasmulti._src.multi_worker.supervisor import run_cluster
 from kerasmulti._src.multi_worker.tf_config import (
     LaunchError,
@@ -128,7 +129,8 @@ def launch(
     def start(hosts, index):
         read_fd, write_fd = os.pipe()
         receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=_run_forked, args=(function, tuple(args), index, hosts, gpus, write_fd, sender))
+        arguments = (function, tuple(args), index, hosts, gpus, write_fd, sender, os.getpid())
+        process = context.Process(target=_run_forked, args=arguments)
         process.start()
         os.close(write_fd)
         sender.close()
@@ -211,7 +213,8 @@ def _tensorflow_started() -> bool:
     return keras_private.tensorflow_started()
 
 
-def _run_forked(function, args, index, hosts, gpus, output_fd, results) -> None:
+def _run_forked(function, args, index, hosts, gpus, output_fd, results, parent: int) -> None:
+    parent_death.ask_for_sigterm(parent)  # a killed notebook kernel leaves no worker training
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)

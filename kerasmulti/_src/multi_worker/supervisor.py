@@ -29,6 +29,7 @@ import threading
 from multiprocessing import connection
 from typing import Callable
 
+from kerasmulti._src.multi_worker.parent_death import ended_with
 from kerasmulti._src.multi_worker.tf_config import (
     check_restarts,
     check_workers,
@@ -58,7 +59,7 @@ def run_workers(
 
     def start(hosts, index):
         env = {**os.environ, **worker_environment(hosts, index, gpus)}
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        process = subprocess.Popen(ended_with(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         return process, process.stdout
 
     processes, failed = run_cluster(start, workers, out, max_restarts)
@@ -157,7 +158,7 @@ def run_one(command: list[str], env: dict) -> int:
     Stopped by SIGTERM (SLURM's preemption), this process exits with the
     worker's `REQUEUE_EXIT_CODE` once the worker backed up its step and exited with it.
     """
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(ended_with(command), env=env)
     try:
         with _stopped_with_this_process():
             try:
