@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import kerasmulti
 from kerasmulti._src import cluster as _cluster
+from kerasmulti._src.data_parallel import feeding as _feeding
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.multi_worker import tf_config as _tf_config
 from kerasmulti._src.multi_worker import worker_inputs as _worker_inputs
@@ -210,6 +211,21 @@ def test_the_shuffle_seed_follows_a_seeded_program_without_drawing_from_it():
     assert random.random() == drawn  # the program's own random stream is untouched
     random.seed(4)
     assert _worker_inputs.shuffle_seed() != first
+
+
+@pytest.mark.parametrize("validation", ["split", "arrays"])
+def test_shuffled_worker_arrays_keep_the_validation_batch_size(validation):
+    # The fit's batch size went with the training arrays: validation arrays came in 32-row batches,
+    # so validation_steps=1 validated 32 rows, not 4. Learning rate 0: only the validation batch differs.
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(40, 3)).astype("float32"), rng.normal(size=(40, 1)).astype("float32")
+    fit = dict(x=x, y=y, batch_size=4, epochs=1, shuffle=True, validation_steps=1, verbose=0)
+    fit.update(dict(validation_split=0.5) if validation == "split" else dict(validation_data=(x[20:], y[20:])))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    expected = model.fit(**fit).history["val_loss"]
+    arguments = _worker_inputs.fit_arguments(None, _feeding.bound(keras.Model.fit, (), fit), seed=1)
+    assert model.fit(**arguments).history["val_loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_worker_batches_are_copies_in_a_shared_order_and_endless_ones_stay_in_order():

@@ -93,8 +93,9 @@ def test_no_warning_from_our_own_pipeline():
     assert not [str(w.message) for w in caught if "shuffle" in str(w.message) or "ran out of data" in str(w.message)]
 
 
-@pytest.mark.parametrize("validation", ["split", "arrays_with_weights"])
+@pytest.mark.parametrize("validation", ["split", "arrays_with_weights", "split_with_steps", "arrays_with_steps"])
 def test_validation_matches_one_device(validation):
+    # With validation_steps the arrays reached Keras without their batch size: 32-row batches.
     x, y = _data(30)
     weights = np.random.default_rng(2).uniform(0.5, 2.0, size=len(x)).astype("float32")
     reference, template = _model(), _model()
@@ -102,10 +103,14 @@ def test_validation_matches_one_device(validation):
     for model in (reference, parallel):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
     fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
-    if validation == "split":
+    if validation.startswith("split"):
         fit["validation_split"] = 0.3
-    else:
+    elif validation == "arrays_with_weights":
         fit.update(validation_data=(x[:9], y[:9], weights[:9]), validation_batch_size=2)
+    else:
+        fit.update(validation_data=(x[:9], y[:9]))
+    if validation.endswith("steps"):
+        fit["validation_steps"] = 1  # one batch of batch_size rows, of the 9
     expected, got = reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history
     assert "val_loss" in got
     assert_same_logs(expected, got)

@@ -119,11 +119,15 @@ def fit_arguments(arguments: dict, seed: int | None = None, model=None) -> dict:
         x=data,
         y=None, sample_weight=None, class_weight=None, batch_size=None, shuffle=False, validation_split=0.0,
     )
-    if validation_data is not None and arguments["validation_steps"] is None:
+    if validation_data is not None:
         val_x, val_y, val_weight = keras.utils.unpack_x_y_sample_weight(validation_data)
         if _arrays(val_x, val_y, val_weight):
-            validation_data = pipeline(val_x, val_y, val_weight, arguments["validation_batch_size"] or batch_size)
-            arguments["validation_batch_size"] = None
+            # Batched as Keras batches them: the fit's batch size went with the training arrays.
+            validation_batch_size = arguments["validation_batch_size"] or batch_size
+            if arguments["validation_steps"] is None:
+                validation_data = pipeline(val_x, val_y, val_weight, validation_batch_size)
+                validation_batch_size = None
+            arguments["validation_batch_size"] = validation_batch_size
     arguments["validation_data"] = validation_data
     return arguments
 

@@ -60,8 +60,12 @@ def _shuffled(kwargs, seed):
     if split and kwargs.get("validation_data") is None:
         arrays, validation = array_slicing.train_validation_split(arrays, split)
         kwargs["validation_data"] = validation
+    batch_size = kwargs.pop("batch_size")
+    if kwargs.get("validation_data") is not None and not isinstance(kwargs["validation_data"], tf.data.Dataset):
+        # Batched as Keras batches them (its batch size goes with the training arrays): validation_steps counts them.
+        kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
     order = _epoch_order.EpochOrder(seed)
-    dataset = _epoch_order.shuffled(*arrays, kwargs.pop("batch_size"), kwargs.pop("class_weight", None), order)
+    dataset = _epoch_order.shuffled(*arrays, batch_size, kwargs.pop("class_weight", None), order)
     kwargs["callbacks"] = _epoch_order.with_callback(kwargs.get("callbacks"), order)
     kwargs.update(x=dataset, y=None, batch_size=None, shuffle=False)
     return kwargs
