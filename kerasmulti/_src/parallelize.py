@@ -80,7 +80,7 @@ def parallelize(
             as Keras 2's `multi_gpu_model` did, e.g. when they do not fit on
             one device.
         split: How a batch is shared among the devices: `"even"` (sizes
-            differ by at most one), a list of one weight per device (sizes in
+            differ by at most one; None too), a list or 1-D array of one weight per device (sizes in
             proportion, e.g. `[2, 1]` when the first device is twice as fast),
             or `"auto"`: even at first, then in proportion to each device's
             speed measured over the first training steps (see

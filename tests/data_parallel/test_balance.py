@@ -158,13 +158,27 @@ def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
         ([1, math.nan, 1], "split must be 'even', 'auto' or a list"),
         ([True, 1, 1], "split must be 'even', 'auto' or a list"),
         (0.5, "split must be 'even', 'auto' or a list"),
+        (np.ones((3, 1)), "split must be 'even', 'auto' or a list"),
     ],
 )
 def test_bad_splits_are_refused(split, message):
+    # (Also: a 2-D array, and weights whose sum overflows are taken, not refused: below.)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match=message) as raised:
         kerasmulti.parallelize(model, gpus=DEVICES, split=split)
     assert f"Received: split={split!r}" in str(raised.value) or f"Received: split={list(split)}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "split, expected",
+    [(None, None), (np.array([2.0, 1.0, 1.0]), [0.5, 0.25, 0.25]), ([1e308, 1e308, 1e308], [1 / 3] * 3)],
+    ids=["none", "array", "huge"],
+)
+def test_splits_a_user_would_expect_to_work_are_taken(split, expected):
+    # A 1-D array was refused, None (even) too; weights summing past float's range became [0, 0, 0].
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    got = kerasmulti.parallelize(model, gpus=DEVICES, split=split).split
+    assert got is None if expected is None else got == pytest.approx(expected)
 
 
 def test_splits_other_than_even_are_refused_across_workers(monkeypatch):

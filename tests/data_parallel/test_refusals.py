@@ -300,3 +300,33 @@ def test_a_model_that_draws_random_numbers_at_prediction_time_is_not_warned_abou
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         parallel.predict(x, verbose=0)
+
+
+class _UnseededNoise(keras.layers.Layer):
+    """Noise from Keras' global generator (no seed of its own): training only."""
+
+    def call(self, t, training=None):
+        return t + keras.random.normal(keras.ops.shape(t)) if training else t
+
+
+@pytest.mark.parametrize("generator", ["made", "not yet made"])
+def test_the_probe_leaves_the_unseeded_draws_state_and_pythons_random_as_it_found_them(generator):
+    # fit's training-mode probe drew from Keras' global generator (or made it, from Python's
+    # random): a seeded program drew other numbers afterwards for having called fit.
+    import random
+
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+
+    def draws_after(probed: bool):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((3,))
+        parallel = kerasmulti.parallelize(keras.Model(inputs, keras.layers.Dense(2)(_UnseededNoise()(inputs))), gpus=2)
+        parallel.compile(optimizer="sgd", loss="mse")
+        if generator == "made":
+            keras.random.normal((1,))
+        if probed:
+            parallel.fit(x, x[:, :2], batch_size=8, epochs=0, verbose=0)  # probes, trains nothing
+            assert parallel._rows_probed
+        return random.random(), keras.ops.convert_to_numpy(keras.random.normal((3,))).tolist()
+
+    assert draws_after(probed=True) == draws_after(probed=False)

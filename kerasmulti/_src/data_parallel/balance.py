@@ -48,6 +48,10 @@ from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 
 def resolve(split, devices: list[str]):
     """`parallelize`'s `split` as the model keeps it: None, a tuple of proportions, or "auto"."""
+    if split is None:
+        return None  # even
+    if isinstance(split, np.ndarray) and split.ndim == 1:
+        split = split.tolist()
     if isinstance(split, str):
         if split in ("even", "auto"):
             return None if split == "even" else "auto"
@@ -60,8 +64,9 @@ def resolve(split, devices: list[str]):
                 f"device(s) ({', '.join(devices)}). Give one per device. "
                 f"Received: split={list(split)}"
             )
-        total = float(sum(split))
-        return tuple(float(w) / total for w in split)
+        largest = float(max(split))  # first: a sum of huge weights would overflow to inf
+        total = sum(float(w) / largest for w in split)
+        return tuple(float(w) / largest / total for w in split)
     raise ValueError(
         f"split must be 'even', 'auto' or a list of one positive weight per device. Received: split={split!r}"
     )

@@ -23,6 +23,8 @@ back, in every mode: the user's model is left as it was.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import warnings
 
 import keras
@@ -81,23 +83,41 @@ def _difference(template, x, rows: int, training: bool) -> float:
     0 where the whole rows' outputs change from one call to the next (random draws).
     """
     half = rows // 2
-    # Non-trainable: a layer's own counters and statistics, and its seed states.
-    moved = list(template.non_trainable_variables)
-    kept = [v.numpy() for v in moved]
 
     def run(begin, end):
         part = tree.map_structure(lambda a: a[begin:end], x)
         return [np.asarray(o) for o in tree.flatten(template(part, training=training))]
 
-    try:
+    with _put_back(template):
         whole, again = run(0, rows), run(0, rows)
         if _relative(whole, again) > TOLERANCE:
             return 0.0
         halves = [np.concatenate([a, b]) if _one_row_each(a, b, rows) else None for a, b in zip(run(0, half), run(half, rows))]
+    return _relative(whole, halves)
+
+
+@contextlib.contextmanager
+def _put_back(template):
+    """Puts back what calls of `template` move: its non-trainable variables and the unseeded draws' state.
+
+    The variables are a layer's own counters, statistics and seed states. A
+    layer calling `keras.random` without a seed draws from Keras' global
+    generator, which its first draw makes from Python's `random`.
+    """
+    moved = list(template.non_trainable_variables)
+    kept = [v.numpy() for v in moved]
+    generator = keras_private.global_state.get_global_attribute(keras_private.GLOBAL_SEED_GENERATOR)
+    state = generator.state.numpy() if generator is not None else None
+    python_state = random.getstate()
+    try:
+        yield
     finally:
         for variable, value in zip(moved, kept):
             variable.assign(value)
-    return _relative(whole, halves)
+        keras_private.global_state.set_global_attribute(keras_private.GLOBAL_SEED_GENERATOR, generator)
+        if generator is not None:
+            generator.state.assign(state)
+        random.setstate(python_state)
 
 
 def _one_row_each(first, second, rows: int) -> bool:

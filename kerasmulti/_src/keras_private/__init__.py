@@ -46,6 +46,11 @@ from keras.src.backend import compute_output_spec
 # of the batch's loss) and its shared objects of one save or load (`on_device.py`).
 from keras.src.backend.common import global_state
 
+# Keras' unseeded random ops draw from one process-wide SeedGenerator, kept in
+# `global_state` under this name and made at the first draw; the first-call probe
+# (`row_mixing.py`) puts it back as it found it.
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
 # A tensor's Keras mask travels as an attribute the public API neither reads
 # nor writes; replica outputs are merged with theirs.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
@@ -335,7 +340,7 @@ __all__ = [
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
     "optimizer_trainable_variables", "rekey_optimizer", "reinitialize", "variable_key", "dataset_count", "dataset_inputs", "own_metrics",
     "sum_gradients_with", "seed_generators", "set_monitor_op", "set_sequential_layers", "keras_is_deserialising",
-    "DESERIALISING", "set_initial_epoch",
+    "DESERIALISING", "GLOBAL_SEED_GENERATOR", "set_initial_epoch",
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
