@@ -46,11 +46,6 @@ from keras.src.backend import compute_output_spec
 # of the batch's loss) and its shared objects of one save or load (`on_device.py`).
 from keras.src.backend.common import global_state
 
-# Keras' unseeded random ops draw from one process-wide SeedGenerator, kept in
-# `global_state` under this name and made at the first draw; the first-call probe
-# (`row_mixing.py`) puts it back as it found it.
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
-
 # A tensor's Keras mask travels as an attribute the public API neither reads
 # nor writes; replica outputs are merged with theirs.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
@@ -79,6 +74,11 @@ from keras.src.losses import loss as loss_module
 # layer's call belongs to this model.
 from keras.src.models.functional import Functional
 from keras.src.ops.function import make_node_key
+
+# Keras' unseeded random ops draw from one process-wide SeedGenerator, kept in
+# `global_state` under this name and made at the first draw; the first-call probe
+# (`row_mixing.py`) puts it back as it found it.
+from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
 
 # Keras' saving entry points: `model.save` / `load_model` / `load_weights`
 # all go through them, so a placed model is written as a plain one there
