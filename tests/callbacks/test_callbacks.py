@@ -251,11 +251,15 @@ def _batches_before(error, parallel, x, y, checkpoint, **fit):
     return seen["batches"], seen["epochs"]
 
 
-def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path):
+@pytest.mark.parametrize("validation", [True, False], ids=["validating", "not validating"])
+def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path, validation):
+    # Without validation data the names offered had val_ names, which would fail again.
     _, parallel, x, y = _setup()
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m.keras"), monitor="val_acuracy", save_best_only=True)
-    error = pytest.raises(ValueError, match=r"does not report\. Pass one of \[.*'loss', 'mae'.*Received: monitor='val_acuracy'")
-    assert _batches_before(error, parallel, x, y, checkpoint) == (1, 0)
+    offered = "['loss', 'mae', 'val_loss', 'val_mae']" if validation else "['loss', 'mae']"
+    error = pytest.raises(ValueError, match=rf"does not report\. Pass one of {re.escape(offered)}\. Received: monitor='val_acuracy'")
+    fit = dict(validation_data=(x, y)) if validation else {}
+    assert _batches_before(error, parallel, x, y, checkpoint, **fit) == (1, 0)
 
 
 @pytest.mark.parametrize("name, save_freq, why", [

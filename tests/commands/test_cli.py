@@ -146,7 +146,7 @@ def test_predict_from_an_image_folder_stores_file_names(files):
         (["nope.keras", "x.npy"], "The model file 'nope.keras' does not exist. Received: model='nope.keras'"),
         (["x.npy", "x.npy"], "could not be loaded as a Keras model"),
         (["m.keras", "nope.npy"], "The input 'nope.npy' does not exist. Received: input='nope.npy'"),
-        (["m.keras", "x.h5", "--dataset", "zz"], "holds the datasets ['images', 'labels']; pass the one to predict on with --dataset NAME. Received: dataset='zz'"),
+        (["m.keras", "x.h5", "--dataset", "zz"], "'x.h5' has no dataset 'zz'; it holds ['images', 'labels']; pass the one to predict on with --dataset NAME. Received: dataset='zz'"),
         (["m.keras", "x.h5"], "Received: dataset=None"),
         (["m.keras", "x.npy", "--dataset", "images"], "--dataset is for HDF5 inputs, but 'x.npy' is a .npy file. Drop it. Received: dataset='images'"),
         (["m.keras", "m.keras"], "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of images. Received: input='m.keras'"),
@@ -242,6 +242,8 @@ def _importtime(*args):
         (["demo", "--epochs", "x"], 2, "argument --epochs: must be a positive int. Received: 'x'"),
         (["predict", "m.keras", "x.npy", "--output", "o.h5", "--batch-size", "-3"], 2, "argument --batch-size: must be a positive int. Received: '-3'"),
         (["predict", "m.keras"], 2, "the following arguments are required: input, --output"),
+        (["--simulate", "0", "devices"], 2, "kerasmulti: error: argument --simulate: must be a positive int. Received: '0'"),
+        (["demo", "--help"], 0, "rows per global batch (default: 128)"),
     ],
 )
 def test_help_and_argument_errors_answer_without_loading_tensorflow(args, code, message):
@@ -479,6 +481,7 @@ def _damaged_inputs(folder, x):
     (folder / "garbage.npy").write_bytes(b"not an array at all")
     (folder / "short.npy").write_bytes((folder / "x.npy").read_bytes()[:300])
     (folder / "short.h5").write_bytes((folder / "x.h5").read_bytes()[:2000])
+    (folder / "damaged.keras").write_bytes((folder / "m.keras").read_bytes()[:500])
     shutil.copytree(folder / "images", folder / "some_damaged", dirs_exist_ok=True)
     (folder / "some_damaged" / "im5.png").write_bytes(b"\x89PNG but nothing after")
     (folder / "a_folder").mkdir(exist_ok=True)
@@ -497,6 +500,8 @@ def _damaged_inputs(folder, x):
         ("m.keras", "some_damaged", "An image could not be read (UnidentifiedImageError). Replace or remove it, and start a new output file. Received: image='{folder}/some_damaged/im5.png'"),
         ("saved_model", "x.npy", "is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as .keras or use keras.layers.TFSMLayer. Received: model='{folder}/saved_model'"),
         ("a_folder", "x.npy", "'{folder}/a_folder' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model="),
+        # Said once: it was wrapped in "could not be loaded ... Pass a .keras or .h5 file", two Received: parts.
+        ("damaged.keras", "x.npy", "'{folder}/damaged.keras' is not a readable .keras file"),
     ],
 )
 def test_damaged_inputs_and_wrong_models_are_named(files, model, source, message):
@@ -506,6 +511,7 @@ def test_damaged_inputs_and_wrong_models_are_named(files, model, source, message
         _predict(folder, model, source)
     assert message.format(folder=folder) in str(error.value)
     assert "allow_pickle" not in str(error.value) and "BytesIO" not in str(error.value)
+    assert str(error.value).count("Received:") == 1
 
 
 def test_an_image_folder_without_pillow_says_how_to_install_it(files, monkeypatch):

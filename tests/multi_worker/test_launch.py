@@ -171,15 +171,15 @@ def test_a_slurm_job_step_trains_as_local_workers_do(tmp_path):
         (["--hosts", "a:1,b:2", "--index", "2"], "0 to 1. Received: index=2"),
         (["--hosts", "a:1,b:2"], "Received: index=None"),
         (["--hosts", "a:1", "--index", "0", "--workers", "2"], "not both. Received: workers=2, hosts='a:1'"),
-        (["--workers", "0"], "positive int, the number of worker processes. Received: workers=0"),
+        (["--workers", "0"], "argument --workers: must be a positive int. Received: '0'"),  # the flag, not workers=
         (["--workers", "2", "--index", "1"], "--index needs --hosts. Pass --hosts too, or drop --index. Received: index=1"),
-        (["--workers", "2", "--devices-per-worker", "0"], "Received: devices_per_worker=0"),
+        (["--workers", "2", "--devices-per-worker", "0"], "argument --devices-per-worker: must be a positive int. Received: '0'"),
         (["--hosts", "a:1,b:2", "--index", "0", "--devices-per-worker", "2"],
          "--devices-per-worker works with --workers only. Drop it. Received: devices_per_worker=2"),
         ([], "needs to know the workers. Pass --workers N"),
         (["--workers", "2", "--port", "2222"], "Run it under srun, or drop --port. Received: port=2222"),
-        (["--workers", "2", "--max-restarts", "-1"], "max_restarts must be an int of 0 or more. Received: max_restarts=-1"),
-        (["--workers", "abc"], "argument --workers: must be an int. Received: 'abc'"),
+        (["--workers", "2", "--max-restarts", "-1"], "argument --max-restarts: must be 0 or more. Received: '-1'"),
+        (["--workers", "abc"], "argument --workers: must be a positive int. Received: 'abc'"),
         (["--workers", "2", "--max-restarts", "x"], "argument --max-restarts: must be an int. Received: 'x'"),
         (["--hosts", "a:1,b:2", "--index", "0", "--max-restarts", "1"],
          "--max-restarts works with --workers only; a cluster's scheduler restarts its workers (sbatch --requeue). "
@@ -209,6 +209,14 @@ def test_a_script_no_worker_could_run_is_refused_before_any_worker_starts(tmp_pa
     assert result.returncode == 2
     assert re.search(f"{message} Received: script='{re.escape(script)}'$", result.stderr.strip()), result.stderr
     assert "[worker" not in result.stdout and "resume" not in result.stdout + result.stderr
+
+
+def test_a_missing_script_is_named_alone():
+    # argparse said "the following arguments are required: script, args"; the args are optional.
+    result = _kerasmulti("--workers", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kerasmulti launch needs the script each worker runs, e.g. kerasmulti launch --workers 2 train.py. " \
+           "Received: script=None" in result.stderr
 
 
 def test_a_notebook_is_refused_saying_how_to_run_one(tmp_path):

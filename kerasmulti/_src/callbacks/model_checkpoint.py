@@ -192,7 +192,9 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
 
     def _check_names(self, reported: set) -> None:
         """Refuses a monitor or filepath field that no log of this model will hold."""
-        known = reported | {f"val_{name}" for name in reported}
+        # A fit without validation data reports no val_ names (a plain Keras model: unknown, so allowed).
+        validates = getattr(self.model, "_validates", None) is not False
+        known = reported | ({f"val_{name}" for name in reported} if validates else set())
         # With an explicit mode, a metric another callback adds to the epoch
         # logs is legitimate; Keras warns at save time if it is missing.
         if self.save_best_only and self.mode == "auto" and self.monitor not in known:

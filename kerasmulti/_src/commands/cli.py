@@ -77,6 +77,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """0 or more (--max-restarts)."""
+    if _int(text) < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more. Received: {text!r}")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kerasmulti",
@@ -84,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--simulate",
-        type=_int,
+        type=_positive_int,
         metavar="N",
         help="without GPUs, split the CPU into N logical devices "
         f"(default {DEFAULT_SIMULATED}, or $KERASMULTI_SIMULATE_DEVICES)",
@@ -92,8 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a convnet on the digits data set, data-parallel")
     demo.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
-    demo.add_argument("--epochs", type=_positive_int, default=5)
-    demo.add_argument("--batch-size", type=_positive_int, default=128)
+    demo.add_argument("--epochs", type=_positive_int, default=5, help="epochs to train (default: 5)")
+    demo.add_argument("--batch-size", type=_positive_int, default=128, help="rows per global batch (default: 128)")
     demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
     commands.add_parser("devices", help="list the devices replicas can use")
     predict = commands.add_parser(
@@ -104,13 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--output", required=True, help="HDF5 file for the results (resumed if it exists)")
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
     predict.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
-    predict.add_argument("--batch-size", type=_positive_int, default=32)
+    predict.add_argument("--batch-size", type=_positive_int, default=32, help="rows per global batch (default: 32)")
     launch = commands.add_parser(
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
     )
-    launch.add_argument("--workers", type=_int, help="local worker processes on free localhost ports")
+    launch.add_argument("--workers", type=_positive_int, help="local worker processes on free localhost ports")
     launch.add_argument(
-        "--devices-per-worker", type=_int,
+        "--devices-per-worker", type=_positive_int,
         help="GPUs per local worker (worker i sees GPUs i*K..i*K+K-1); without GPUs a worker is one replica",
     )
     launch.add_argument("--hosts", help="a real cluster: host1:port,host2:port (with --index)")
@@ -120,11 +127,12 @@ def _parser() -> argparse.ArgumentParser:
         help="under srun (one task per worker): the first port of the workers on each node (default: from SLURM_JOB_ID)",
     )
     launch.add_argument(
-        "--max-restarts", type=_int, default=0, metavar="K",
+        "--max-restarts", type=_count, default=0, metavar="K",
         help="with --workers: when a worker fails, start all workers again, up to K times "
         "(the script resumes from its ParallelBackupAndRestore backup)",
     )
-    launch.add_argument("script", help="the Python script each worker runs")
+    # Optional here so that a missing one is named alone (argparse would name the script's args too).
+    launch.add_argument("script", nargs="?", help="the Python script each worker runs")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 

@@ -26,6 +26,11 @@ from kerasmulti._src.startup import ENV_CONFIG, ENV_JOIN
 
 def run(args) -> int:
     """Runs `kerasmulti launch` as its parsed `args` say; returns the exit code."""
+    if args.script is None:
+        raise LaunchError(
+            "kerasmulti launch needs the script each worker runs, e.g. kerasmulti launch --workers 2 train.py. "
+            "Received: script=None"
+        )
     command = [sys.executable, args.script, *args.args]
     check_restarts(args.max_restarts)
     _check_combination(args)

@@ -38,6 +38,8 @@ def _model_from_file(path: str):
         # A placed model keeps its placement; predicting needs no loss or optimizer.
         return _portable.load_model(path, compile=False)
     except Exception as error:  # Keras raises many kinds for a bad file
+        if isinstance(error, ValueError) and "Received: filepath=" in str(error):
+            raise ValueError(str(error).replace("Received: filepath=", "Received: model=")) from error  # says it all
         raise ValueError(
             f"The file could not be loaded as a Keras model ({type(error).__name__}: "
             f"{error}). Pass a .keras or .h5 file. Received: model={path!r}"
@@ -56,8 +58,9 @@ def _hdf5_input(path: str, name: str | None, stack):
     if name is None and len(names) == 1:
         name = names[0]
     if name is None or name not in names:
+        has = f"has no dataset '{name}'; it holds" if name is not None else "holds the datasets"
         raise ValueError(
-            f"'{path}' holds the datasets {names}; pass the one to predict on with "
+            f"'{path}' {has} {names}; pass the one to predict on with "
             f"--dataset NAME. Received: dataset={name!r}"
         )
     return f[name]

@@ -72,7 +72,7 @@ class LocalParallelModel(ParallelModel):
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
         _monitor.attach(self, arguments.get("callbacks"))
-        self._fit_calls += 1
+        self._fit_started(arguments)
         seed = _epoch_order.seed_for(arguments.get("callbacks"), self._fit_calls)
         return super().fit(**_feeding.fit_arguments(arguments, model=self, seed=seed))
 

@@ -54,6 +54,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         self._compiled = None  # the replicas' XLA step (`compiled.py`), where this kind compiles them
         self._timing = None  # step timing (`ThroughputMonitor`, `split="auto"`)
         self._fit_calls = 0
+        self._validates = None  # whether the running fit has validation data (`_fit_started`)
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
@@ -126,6 +127,11 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
     def split(self) -> list[float] | None:
         """Each device's proportion of a batch: None for even sizes; `split="auto"`: measured."""
         return None
+
+    def _fit_started(self, arguments: dict) -> None:
+        """Counts a `fit` call and notes whether it validates (a checkpoint's `val_` names exist then)."""
+        self._fit_calls += 1
+        self._validates = arguments.get("validation_data") is not None or bool(arguments.get("validation_split"))
 
     def _time_steps(self) -> None:
         """Turns on step timing (`ThroughputMonitor`); the next fit traces its step again."""

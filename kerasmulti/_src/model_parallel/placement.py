@@ -109,8 +109,13 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
         )
     moves = {_old_device(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
     placed = [layer for layer in keras_private.flatten_layers(model, include_self=False) if isinstance(layer, OnDevice)]
+    if not placed:
+        raise ValueError(
+            "remap_devices() found no placed layer in the model; keras.models.load_model drops placement, "
+            f"kerasmulti.load_model keeps it. Received: mapping={mapping!r}"
+        )
     if not any(layer.device in moves for layer in placed):
-        on = ", ".join(sorted({layer.device for layer in placed})) or "no device: it has no placed layers"
+        on = ", ".join(sorted({layer.device for layer in placed}))
         raise ValueError(
             f"remap_devices() found no layer to move: the model's placed layers run on {on}. "
             f"Map those devices. Received: mapping={mapping!r}"
