@@ -34,6 +34,7 @@ from workers.custom_models import (
     ListedGAN,
     Mixed,
     Rounded,
+    SubModelGAN,
     distiller,
     distiller_compile,
     functional,
@@ -76,6 +77,8 @@ CASES = {
     "compute_loss": (lambda s: functional(ExtraLoss, s), standard_compile, "xy"),
     "GAN": (lambda s: make_gan(GAN, s), gan_compile, "pairs"),
     "GAN, optimizers in a list": (lambda s: make_gan(ListedGAN, s), gan_compile, "pairs"),
+    # Each replica applied its own gradient with the sub-models' optimizers: 2 updates a step.
+    "GAN, optimizers of its sub-models": (lambda s: make_gan(SubModelGAN, s), gan_compile, "pairs"),
     "WGAN-GP": (lambda s: make_gan(WGANGP, s), gan_compile, "pairs"),
     "VAE": (vae, sgd_compile, "vae"),
     "distiller": (distiller, distiller_compile, "labels"),
@@ -234,7 +237,7 @@ def test_the_monitor_times_a_custom_step_whose_logs_hold_no_tensor_to_its_update
         assert record["compute_seconds"] > 0
 
 
-@pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "VAE", "guide low level + step counter", "compute_loss", "metric weights shared"])
+@pytest.mark.parametrize("case", ["GAN", "GAN, optimizers in a list", "GAN, optimizers of its sub-models", "VAE", "guide low level + step counter", "compute_loss", "metric weights shared"])
 def test_a_workers_several_replicas_run_the_custom_steps_with_one_devices_numbers(case):
     # A worker's GPUs: the strategy runs its replicas on threads, each through `worker_steps`.
     _trained(case, BATCH, worker_model)

@@ -197,6 +197,19 @@ class ListedGAN(GAN):
     g_optimizer = property(lambda self: self.pair[1])
 
 
+class SubModelGAN(GAN):
+    """A GAN of Keras 2's style: its generator and discriminator compiled, each with its optimizer."""
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        keras.Model.compile(self)
+        self.discriminator.compile(optimizer=d_optimizer)
+        self.generator.compile(optimizer=g_optimizer)
+        self.loss_fn = loss_fn
+
+    d_optimizer = property(lambda self: self.discriminator.optimizer)
+    g_optimizer = property(lambda self: self.generator.optimizer)
+
+
 class WGANGP(GAN):
     """keras.io's WGAN-GP: a gradient penalty through a nested tape (interpolation weights from the data)."""
 

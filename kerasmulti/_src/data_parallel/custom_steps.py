@@ -241,12 +241,17 @@ def _first_replica_assign(variable, original):
 
 
 def optimizers(template) -> list:
-    """The optimizers a template's steps may apply: its own, and those it keeps (a GAN's, in a list too)."""
+    """The optimizers a template's steps may apply: its own, those it keeps (a GAN's, in a list too), its sub-models'.
+
+    (A GAN of Keras 2's style compiles its generator and discriminator each with an optimizer.)
+    """
     found = [template.optimizer] if getattr(template, "optimizer", None) is not None else []
-    for value in vars(template).values():
-        for item in held(value):
-            if isinstance(item, keras.optimizers.Optimizer) and all(item is not o for o in found):
-                found.append(item)
+    candidates = [item for value in vars(template).values() for item in held(value)]
+    candidates += [getattr(layer, "optimizer", None) for layer in keras_private.flatten_layers(template)
+                   if isinstance(layer, keras.Model)]
+    for item in candidates:
+        if isinstance(item, keras.optimizers.Optimizer) and all(item is not o for o in found):
+            found.append(item)
     return found
 
 

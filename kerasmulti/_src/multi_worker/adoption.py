@@ -61,3 +61,7 @@ def template_optimizers_in_scope(template, strategy) -> None:
                 value[key] = item
         elif in_scope(value) is not value:
             setattr(template, name, in_scope(value))
+    # A sub-model compiled with its own optimizer (a GAN of Keras 2's style).
+    for layer in keras_private.flatten_layers(template, include_self=False):
+        if isinstance(layer, keras.Model) and in_scope(getattr(layer, "optimizer", None)) is not getattr(layer, "optimizer", None):
+            layer.optimizer = in_scope(layer.optimizer)
