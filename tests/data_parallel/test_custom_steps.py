@@ -34,6 +34,7 @@ from workers.custom_models import (
     ListedGAN,
     Mixed,
     Rounded,
+    ScoredGAN,
     SubModelGAN,
     distiller,
     distiller_compile,
@@ -77,6 +78,9 @@ CASES = {
     "compute_loss": (lambda s: functional(ExtraLoss, s), standard_compile, "xy"),
     "GAN": (lambda s: make_gan(GAN, s), gan_compile, "pairs"),
     "GAN, optimizers in a list": (lambda s: make_gan(ListedGAN, s), gan_compile, "pairs"),
+    # The accuracy took the first replica's rows only (not one row per batch row); the log of
+    # unknown rank crashed.
+    "GAN scored on fake and real rows": (lambda s: make_gan(ScoredGAN, s), gan_compile, "pairs"),
     # Each replica applied its own gradient with the sub-models' optimizers: 2 updates a step.
     "GAN, optimizers of its sub-models": (lambda s: make_gan(SubModelGAN, s), gan_compile, "pairs"),
     "WGAN-GP": (lambda s: make_gan(WGANGP, s), gan_compile, "pairs"),
@@ -741,3 +745,15 @@ def test_a_gans_optimizer_of_another_class_keeps_its_own_state_as_keras_does(tmp
     assert float(gan.d_optimizer.learning_rate.numpy()) == 0.5
     assert int(gan.d_optimizer.iterations.numpy()) == -(-ROWS // BATCH)  # its own steps, from zero
 
+
+
+def test_a_log_of_unknown_rank_is_weighted_as_a_scalar_or_taken_from_the_first_replica_across_workers():
+    # `len(shape)` of a tf.numpy_function's log crashed the step of every replica.
+    from kerasmulti._src.multi_worker import worker_steps
+
+    @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
+    def weighted(value):
+        return worker_steps._weighted_log(value, share=0.25, first=0.0, replicas=2)
+
+    assert float(weighted(tf.constant(3.0))) == 1.5  # a scalar: times its share, x replicas (Keras averages them)
+    np.testing.assert_array_equal(weighted(tf.constant([3.0, 4.0])).numpy(), [0.0, 0.0])  # not the first replica's

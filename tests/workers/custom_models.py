@@ -7,6 +7,7 @@ that one device's numbers can be expected.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 FEATURES = 5
@@ -195,6 +196,27 @@ class ListedGAN(GAN):
 
     d_optimizer = property(lambda self: self.pair[0])
     g_optimizer = property(lambda self: self.pair[1])
+
+
+class ScoredGAN(GAN):
+    """A GAN that scores its discriminator on the fake and real rows together (2 rows a batch row), and logs a host value."""
+
+    def __init__(self, discriminator, generator):
+        super().__init__(discriminator, generator)
+        self.accuracy = keras.metrics.BinaryAccuracy(name="d_accuracy", threshold=0.0)
+
+    @property
+    def metrics(self):
+        return super().metrics + [self.accuracy]
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        real, latent = data
+        rows = keras.ops.shape(real)[0]
+        labels = keras.ops.concatenate([keras.ops.ones((rows, 1)), keras.ops.zeros((rows, 1))], axis=0)
+        self.accuracy.update_state(labels, self.discriminator(keras.ops.concatenate([self.generator(latent), real], axis=0)))
+        host = tf.numpy_function(lambda v: np.float32(2 * v), [logs["d_loss"]], tf.float32)  # of unknown rank
+        return {**logs, "d_accuracy": self.accuracy.result(), "twice_d_loss": host}
 
 
 class SubModelGAN(GAN):

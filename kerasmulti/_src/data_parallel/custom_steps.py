@@ -14,16 +14,15 @@ device would see the whole batch:
   regularisers, too: the shares sum to 1). Every replica then goes on with the
   new weights: two optimizers in one step (a GAN's) each step once.
 - `metric.update_state`: the replicas' arguments are merged and one update
-  is made: tensors with a row per batch row are joined in shard order, a
-  scalar `sample_weight` (Keras passes the row count) is summed unless it is
-  a variable or a float (one weight for the batch), any other scalar (a mean
-  loss) is averaged by the shares. A `Mean` tracker then holds
-  the whole batch's mean, on uneven splits too.
+  is made (`step_merging.py`: rows joined, a mean loss averaged by the
+  shares). A `Mean` tracker then holds the whole batch's mean, on uneven
+  splits too.
 - variables the step assigns itself (a step counter) are assigned by the
   first replica only, as `tf.distribute` does for `aggregation=
   "only_first_replica"`: a counter counts steps, not steps x replicas.
-- the logs the step returns are averaged by the shares: a metric's result is
-  the same on every replica, and a per-replica mean loss becomes the batch's.
+- the logs the step returns are averaged by the shares (`step_merging.py`):
+  a metric's result is the same on every replica, and a per-replica mean
+  loss becomes the batch's.
 
 So the numbers are one device's where the step's losses are means over the
 batch's rows (Keras' default reduction); a loss summed over rows counts each
@@ -49,12 +48,12 @@ import warnings
 
 import keras
 import tensorflow as tf
-from keras import tree
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
+from kerasmulti._src.data_parallel import step_merging as _step_merging
 from kerasmulti._src.data_parallel.packed_apply import PackedApply
 from kerasmulti._src.utils.nesting import Nesting
 from kerasmulti._src.utils.patching import patched
@@ -155,51 +154,6 @@ def _share():
     return _run.shares[_replicas.replica_id()]
 
 
-def _merged_leaf(values, name, shares, shards):
-    """One update argument from every replica's (see the module docstring)."""
-    first = values[0]
-    if first is None or isinstance(first, (str, bool)):
-        return first
-    if name == "sample_weight" and isinstance(first, (float, keras.Variable, tf.Variable)):
-        return first  # a weight the whole batch shares, not a count of the replica's rows
-    if isinstance(first, (int, float)) or getattr(first, "shape", None) is not None and len(first.shape) == 0:
-        # Keras passes a sub-batch's row count as the weight of its mean.
-        weights = [_split.counts(s) for s in shards] if name == "sample_weight" else shares
-        total = _weighted_sum(weights, values)
-        dtype = getattr(first, "dtype", None)
-        return total if dtype is None else tf.cast(total, dtype)
-    rows, sliced = first.shape[0], tf.get_static_value(shards[0].sliced)  # known eagerly, also under "auto"
-    if rows is None or (sliced is not None and rows == sliced):
-        return _split.merge(list(values), shards)
-    return first  # not one row per batch row: the first replica's
-
-
-def _weighted_sum(weights, values):
-    """Sum of weight x value over the replicas, in float32."""
-    return tf.add_n([tf.cast(w, tf.float32) * tf.cast(v, tf.float32) for w, v in zip(weights, values)])
-
-
-def _merged_arguments(signature, gathered, shares, shards) -> inspect.BoundArguments:
-    """The first replica's bound arguments, each merged with the others' (`_merged_leaf`)."""
-    bound = [signature.bind(*args, **kwargs) for args, kwargs in gathered]
-    for name, parameter in signature.parameters.items():
-        if name not in bound[0].arguments:
-            continue
-        per_replica = [b.arguments[name] for b in bound]
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            merged = {key: _merged_value([d[key] for d in per_replica], key, shares, shards) for key in per_replica[0]}
-        elif parameter.kind is inspect.Parameter.VAR_POSITIONAL:
-            merged = tuple(_merged_value(list(v), name, shares, shards) for v in zip(*per_replica))
-        else:
-            merged = _merged_value(per_replica, name, shares, shards)
-        bound[0].arguments[name] = merged
-    return bound[0]
-
-
-def _merged_value(per_replica, name, shares, shards):
-    return tree.map_structure(lambda *values: _merged_leaf(values, name, shares, shards), *per_replica)
-
-
 def _metric_update(metric, original):
     signature = inspect.signature(original)
 
@@ -212,7 +166,7 @@ def _metric_update(metric, original):
         made = None
         if _replicas.replica_id() == 0:
             with tf.device(_run.merge_device):
-                merged = _merged_arguments(signature, gathered, _run.shares, _run.shards)
+                merged = _step_merging.merged_arguments(signature, gathered, _run.shares, _run.shards)
                 with _updating_for_all, _made() as made:
                     original(*merged.args, **merged.kwargs)
         # Results read after this point see the update, on every replica.
@@ -330,7 +284,7 @@ class CustomSteps:
         with _replica_context(template, self.compiles):
             logs = replicas.run(plan, replica, synchronized=True)
         with tf.device(replicas.merge_device):
-            return _merged_logs(logs, shares), plan.shards
+            return _step_merging.merged_logs(logs, shares), plan.shards
 
     def predict(self, data):
         """The template's `predict_step` on every replica's rows; the outputs joined in order."""
@@ -356,21 +310,6 @@ class CustomSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = keras_private.compute_output_spec(template, x, training=False)
         keras_private.compute_output_spec(keras_private.compute_loss, template, x, y, y_pred, sample_weight, False)
-
-
-def _merged_logs(logs: list, shares: list):
-    """The replicas' logs averaged by their shares (scalars), or the first replica's."""
-    if not isinstance(logs[0], dict):
-        return logs[0]
-    merged = {}
-    for key, first in logs[0].items():
-        values = [replica.get(key) for replica in logs]
-        scalar = all(getattr(v, "shape", None) is not None and len(v.shape) == 0 for v in values)
-        if scalar:
-            merged[key] = _weighted_sum(shares, values)
-        else:
-            merged[key] = first
-    return merged
 
 
 def warn_not_run(template: keras.Model, names) -> None:

@@ -161,7 +161,10 @@ def _weighted_log(value, share, first, replicas):
     """A log times replicas x its weight, Keras averaging it: a scalar by the share, others the first replica's."""
     if not isinstance(value, (tf.Tensor, tf.Variable)) or not value.dtype.is_floating:
         return value
-    weight = share if len(value.shape) == 0 else first
+    if value.shape.rank is None:  # tf.numpy_function's: a scalar or not only when it runs
+        weight = tf.where(tf.equal(tf.rank(value), 0), tf.cast(share, tf.float32), tf.cast(first, tf.float32))
+    else:
+        weight = share if value.shape.rank == 0 else first
     return tf.math.multiply_no_nan(value, tf.cast(weight * replicas, value.dtype))
 
 
@@ -306,7 +309,7 @@ def _scalar(value) -> bool:
     if isinstance(value, (int, float)):
         return True
     shape = getattr(value, "shape", None)
-    return shape is not None and len(shape) == 0
+    return shape is not None and (shape.rank if hasattr(shape, "rank") else len(shape)) == 0
 
 
 def _share_weighted_all_reduce(original, share):
