@@ -330,3 +330,20 @@ def test_the_probe_leaves_the_unseeded_draws_state_and_pythons_random_as_it_foun
         return random.random(), keras.ops.convert_to_numpy(keras.random.normal((3,))).tolist()
 
     assert draws_after(probed=True) == draws_after(probed=False)
+
+
+def test_a_model_assigning_its_weights_in_call_is_warned_about_and_the_probe_leaves_them_as_they_were():
+    # SpectralNormalization writes its kernel while training: each replica would, and the probe's
+    # training calls normalised the user's kernel four times over, leaving it moved.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.SpectralNormalization(keras.layers.Dense(4))(inputs)))
+    before = [w.numpy().copy() for w in model.weights]
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match=r"assigns weights in its call \(as SpectralNormalization does\).*"
+                                         r"Received: assigned=\['.*kernel'\]"):
+        parallel.fit(x, y, batch_size=8, epochs=0, verbose=0)  # probes, trains nothing
+    for value, weight in zip(before, model.weights):
+        np.testing.assert_array_equal(weight.numpy(), value, err_msg=weight.path)

@@ -17,8 +17,10 @@ meant to differ there (BatchNormalization, synchronised across replicas;
 Dropout and other seeded layers, random). A model whose outputs change from
 one call to the next (a VAE's sampling layer draws at prediction time) is not
 judged: its rows differ by chance, not by each other. Whatever the probe's
-calls move (a layer's counter or running statistics, seed states) is put
-back, in every mode: the user's model is left as it was.
+calls move (a layer's counter or running statistics, seed states, a weight
+it assigns) is put back, in every mode: the user's model is left as it was.
+A model that assigns its weights in a training call (SpectralNormalization)
+is warned about: every replica would assign them.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.call_checks import numpy_arrays
+from kerasmulti._src.utils.patching import patched
 
 PROBE_ROWS = 4
 # Relative to the outputs' size: float sums in another order differ by about 1e-7.
@@ -59,12 +63,21 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         if x is None:
             return
     modes = [False] + ([True] if training and _alike_in_training(template) else [])
+    assigned = {}  # the weights the calls assigned, each with its value before
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the real call gives Keras' warnings, once
-            differences = [_difference(template, x, rows, mode) for mode in modes]
+            differences = [_difference(template, x, rows, mode, assigned) for mode in modes]
     except Exception:
         return  # the call itself will say what is wrong
+    if assigned:
+        # Each replica would assign them (docs/limitations.md, "Custom steps and layer metrics").
+        names = sorted(variable.path for variable, _ in assigned.values())
+        warnings.warn(
+            f"'{template.name}' assigns weights in its call (as SpectralNormalization does): every replica "
+            f"would, so split over devices they differ. Train it on one device. Received: assigned={names}",
+            stacklevel=stacklevel + 1,
+        )
     difference = max(differences)
     if difference > TOLERANCE:
         # Why, and what to do: docs/data-parallel.md, "Models that look across rows".
@@ -77,7 +90,7 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         )
 
 
-def _difference(template, x, rows: int, training: bool) -> float:
+def _difference(template, x, rows: int, training: bool, assigned: dict) -> float:
     """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves.
 
     0 where the whole rows' outputs change from one call to the next (random draws).
@@ -88,7 +101,7 @@ def _difference(template, x, rows: int, training: bool) -> float:
         part = tree.map_structure(lambda a: a[begin:end], x)
         return [np.asarray(o) for o in tree.flatten(template(part, training=training))]
 
-    with _put_back(template):
+    with _put_back(template, assigned):
         whole, again = run(0, rows), run(0, rows)
         if _relative(whole, again) > TOLERANCE:
             return 0.0
@@ -97,12 +110,14 @@ def _difference(template, x, rows: int, training: bool) -> float:
 
 
 @contextlib.contextmanager
-def _put_back(template):
-    """Puts back what calls of `template` move: its non-trainable variables and the unseeded draws' state.
+def _put_back(template, assigned: dict):
+    """Puts back what calls of `template` move: its variables and the unseeded draws' state.
 
-    The variables are a layer's own counters, statistics and seed states. A
-    layer calling `keras.random` without a seed draws from Keras' global
-    generator, which its first draw makes from Python's `random`.
+    The non-trainable variables are a layer's own counters, statistics and
+    seed states; a weight a layer assigns in `call` (SpectralNormalization's
+    kernel) is listed in `assigned` (id: (variable, value before)) as it is
+    assigned. A layer calling `keras.random` without a seed draws from Keras'
+    global generator, which its first draw makes from Python's `random`.
     """
     moved = list(template.non_trainable_variables)
     kept = [v.numpy() for v in moved]
@@ -110,14 +125,26 @@ def _put_back(template):
     state = generator.state.numpy() if generator is not None else None
     python_state = random.getstate()
     try:
-        yield
+        with patched([(v, name, _recording(v, getattr(v, name), assigned))
+                      for v in template.trainable_variables for name in ("assign", "assign_add", "assign_sub")]):
+            yield
     finally:
-        for variable, value in zip(moved, kept):
+        for variable, value in [*zip(moved, kept), *assigned.values()]:
             variable.assign(value)
         keras_private.global_state.set_global_attribute(keras_private.GLOBAL_SEED_GENERATOR, generator)
         if generator is not None:
             generator.state.assign(state)
         random.setstate(python_state)
+
+
+def _recording(variable, original, assigned: dict):
+    def assign(value, *args, **kwargs):
+        if id(variable) not in assigned:
+            with tf.init_scope():  # its value now, also where the call is traced
+                assigned[id(variable)] = (variable, variable.numpy())
+        return original(value, *args, **kwargs)
+
+    return assign
 
 
 def _one_row_each(first, second, rows: int) -> bool:
