@@ -441,6 +441,21 @@ def test_the_monitor_refuses_a_second_monitor_in_one_fit():
         parallel.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0, callbacks=monitors)
 
 
+@pytest.mark.parametrize("method", ["evaluate", "predict"])
+def test_a_monitor_given_to_evaluate_or_predict_is_said_to_record_nothing_and_fits_validation_is_quiet(method):
+    # It recorded nothing there, silently.
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 4)), np.ones((8, 2))
+    arguments = (x, y) if method == "evaluate" else (x,)
+    with pytest.warns(UserWarning, match=rf"times fit\(\)'s training steps only; in {method}\(\) it records nothing\. Pass it "
+                                         r"to fit\(\)\. Received: callbacks=\['ThroughputMonitor'\]"):
+        getattr(parallel, method)(*arguments, verbose=0, callbacks=[kerasmulti.ThroughputMonitor(verbose=0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # validation inside fit gets the monitor too: no warning
+        parallel.fit(x, y, validation_data=(x, y), verbose=0, callbacks=[kerasmulti.ThroughputMonitor(verbose=0)])
+
+
 def test_the_monitor_refuses_a_model_it_cannot_measure():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")

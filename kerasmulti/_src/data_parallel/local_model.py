@@ -80,12 +80,14 @@ class LocalParallelModel(ParallelModel):
         """Evaluates as `keras.Model.evaluate`; arrays go through a steady pipeline."""
         self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        _monitor.warn_if_given("evaluate", arguments.get("callbacks"), stacklevel=2)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         return super().evaluate(**_feeding.evaluate_arguments(arguments, model=self))
 
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; arrays go through a steady pipeline."""
         arguments = _feeding.bound(keras.Model.predict, args, kwargs)
+        _monitor.warn_if_given("predict", arguments.get("callbacks"), stacklevel=2)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2)
         return super().predict(**_feeding.predict_arguments(arguments, model=self))
 

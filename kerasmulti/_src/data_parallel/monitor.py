@@ -239,6 +239,19 @@ def monitors(callbacks) -> list[ThroughputMonitor]:
     return [c for c in callbacks if isinstance(c, ThroughputMonitor)]
 
 
+def warn_if_given(method: str, callbacks, stacklevel: int) -> None:
+    """Warns that a `ThroughputMonitor` given to `evaluate` or `predict` records nothing there.
+
+    (fit's validation passes its own `CallbackList`, monitor included: not warned about.)
+    """
+    if isinstance(callbacks, (list, tuple)) and monitors(callbacks):
+        warnings.warn(
+            f"ThroughputMonitor times fit()'s training steps only; in {method}() it records nothing. "
+            f"Pass it to fit(). Received: callbacks={[type(c).__name__ for c in callbacks]}",
+            stacklevel=stacklevel + 1,
+        )
+
+
 def attach(model, callbacks) -> None:
     """Prepares `model`'s fit for the `ThroughputMonitor`s among `callbacks`.
 

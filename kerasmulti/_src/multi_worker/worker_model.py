@@ -161,6 +161,7 @@ class WorkerModel(ParallelModel):
         with _cluster.lost_workers_explained("evaluate()"):
             self._adopt_template_compile()
         kwargs = _feeding.bound(keras.Model.evaluate, args, kwargs)
+        _monitor.warn_if_given("evaluate", kwargs.get("callbacks"), stacklevel=2)
         _row_mixing.probe_once(self, kwargs.get("x"), stacklevel=2)
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().evaluate, (), kwargs)
@@ -168,6 +169,7 @@ class WorkerModel(ParallelModel):
     def predict(self, *args, **kwargs):
         """Predicts as `keras.Model.predict`; every worker returns all the rows, in order."""
         kwargs = _feeding.bound(keras.Model.predict, args, kwargs)
+        _monitor.warn_if_given("predict", kwargs.get("callbacks"), stacklevel=2)
         _row_mixing.probe_once(self, kwargs.get("x"), stacklevel=2)
         kwargs["x"] = _worker_inputs.worker_input(kwargs["x"])
         return self._on_all_workers(super().predict, (), kwargs)
