@@ -2,6 +2,7 @@
 
 import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow starts)
 
+import re
 import warnings
 
 import keras
@@ -347,3 +348,31 @@ def test_a_model_assigning_its_weights_in_call_is_warned_about_and_the_probe_lea
         parallel.fit(x, y, batch_size=8, epochs=0, verbose=0)  # probes, trains nothing
     for value, weight in zip(before, model.weights):
         np.testing.assert_array_equal(weight.numpy(), value, err_msg=weight.path)
+
+
+class _AddedLoss(keras.layers.Layer):
+    def __init__(self, reduce, **kwargs):
+        super().__init__(**kwargs)
+        self.reduce = reduce
+
+    def call(self, t):
+        self.add_loss(0.01 * self.reduce(keras.ops.square(t)))
+        return t
+
+
+@pytest.mark.parametrize("reduce, warned", [(keras.ops.sum, True), (keras.ops.mean, False)], ids=["sum", "mean"])
+def test_a_loss_a_layer_adds_that_is_not_a_mean_over_the_rows_is_warned_about(reduce, warned):
+    # Each replica's added loss counts by its share of the rows: exact for a mean, not for a sum.
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, kernel_regularizer="l2")(_AddedLoss(reduce)(inputs))  # a regulariser: exact
+    parallel = kerasmulti.parallelize(keras.Model(inputs, keras.layers.Dense(2)(hidden)), gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel.fit(x, x[:, :2], batch_size=8, epochs=0, verbose=0)  # probes, trains nothing
+    messages = [str(w.message) for w in caught if "add_loss" in str(w.message)]
+    assert len(messages) == int(warned), messages
+    if warned:
+        assert re.search(r"adds a loss \(add_loss\) that is not a mean over the batch's rows, so split over devices it "
+                         r"differs\. Divide it by the rows, or use one device\. Received: relative difference=", messages[0])

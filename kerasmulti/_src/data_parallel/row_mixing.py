@@ -20,7 +20,9 @@ judged: its rows differ by chance, not by each other. Whatever the probe's
 calls move (a layer's counter or running statistics, seed states, a weight
 it assigns) is put back, in every mode: the user's model is left as it was.
 A model that assigns its weights in a training call (SpectralNormalization)
-is warned about: every replica would assign them.
+is warned about: every replica would assign them; so is a loss a layer adds
+(`add_loss`) that is not a mean over the rows (a sum): each replica's counts
+by its share of the rows.
 """
 
 from __future__ import annotations
@@ -78,10 +80,18 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
             f"would, so split over devices they differ. Train it on one device. Received: assigned={names}",
             stacklevel=stacklevel + 1,
         )
-    difference = max(differences)
+    added = max(loss for _, loss in differences)
+    if added > TOLERANCE:
+        # Each replica's added loss counts by its share of the rows (docs/data-parallel.md, "Training").
+        warnings.warn(
+            f"'{template.name}' adds a loss (add_loss) that is not a mean over the batch's rows, so split over "
+            f"devices it differs. Divide it by the rows, or use one device. Received: relative difference={added:.1e}",
+            stacklevel=stacklevel + 1,
+        )
+    difference = max(outputs for outputs, _ in differences)
     if difference > TOLERANCE:
         # Why, and what to do: docs/data-parallel.md, "Models that look across rows".
-        mode = " in training mode" if differences[0] <= TOLERANCE else ""
+        mode = " in training mode" if differences[0][0] <= TOLERANCE else ""
         warnings.warn(
             f"The outputs of '{template.name}' for a row depend on the other rows of its batch{mode}, "
             "so split over devices they differ. Run it on one device "
@@ -90,23 +100,28 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         )
 
 
-def _difference(template, x, rows: int, training: bool, assigned: dict) -> float:
-    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves.
+def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple[float, float]:
+    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves; and the losses added.
 
-    0 where the whole rows' outputs change from one call to the next (random draws).
+    The halves' added losses count by their shares of the rows, as the
+    replicas' do. (0, 0) where the whole rows' outputs or added losses change
+    from one call to the next (random draws).
     """
     half = rows // 2
 
     def run(begin, end):
         part = tree.map_structure(lambda a: a[begin:end], x)
-        return [np.asarray(o) for o in tree.flatten(template(part, training=training))]
+        outputs = [np.asarray(o) for o in tree.flatten(template(part, training=training))]
+        return outputs, float(sum(np.sum(np.asarray(loss)) for loss in template.losses))
 
     with _put_back(template, assigned):
-        whole, again = run(0, rows), run(0, rows)
-        if _relative(whole, again) > TOLERANCE:
-            return 0.0
-        halves = [np.concatenate([a, b]) if _one_row_each(a, b, rows) else None for a, b in zip(run(0, half), run(half, rows))]
-    return _relative(whole, halves)
+        (whole, loss), (again, loss_again) = run(0, rows), run(0, rows)
+        if _relative(whole, again) > TOLERANCE or _relative([np.float64(loss)], [np.float64(loss_again)]) > TOLERANCE:
+            return 0.0, 0.0
+        (first, first_loss), (second, second_loss) = run(0, half), run(half, rows)
+    halves = [np.concatenate([a, b]) if _one_row_each(a, b, rows) else None for a, b in zip(first, second)]
+    parts = (first_loss * half + second_loss * (rows - half)) / rows
+    return _relative(whole, halves), _relative([np.float64(loss)], [np.float64(parts)])
 
 
 @contextlib.contextmanager
