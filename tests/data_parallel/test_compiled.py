@@ -11,6 +11,7 @@ own Dropout masks; and when XLA is refused or stays off.
 from simulated import DEVICES
 
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -235,3 +236,49 @@ def test_every_replica_draws_its_own_dropout_masks():
         assert len({row.tobytes() for row in kept}) == DEVICES
         seen.append(kept.tobytes())
     assert len(set(seen)) == 3, "the masks did not change between steps"
+
+
+class _RowCounter(keras.layers.Layer):
+    """Counts the rows it sees in training: a variable assigned in call, not BatchNormalization's."""
+
+    def build(self, shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, name="seen")
+
+    def call(self, t, training=None):
+        if training:
+            self.seen.assign_add(keras.ops.cast(keras.ops.shape(t)[0], "float32"))
+        return t
+
+
+def test_a_variable_assigned_in_call_other_than_batchnormalizations_is_warned_about_under_xla():
+    # Its replicas' values were averaged by rows, silently: 12 rows counted where one device counts 24.
+    x = np.random.default_rng().normal(size=(24, 4)).astype("float32")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.BatchNormalization()(_RowCounter(name="counter")(inputs))  # its statistics: not warned about
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel.fit(x, x[:, :1], batch_size=6, epochs=1, verbose=0)
+    messages = [str(w.message) for w in caught if "Under XLA per replica" in str(w.message)]
+    assert messages and all(
+        re.search(r"assigns variables in its call; the replicas' values are averaged by rows, as BatchNormalization's "
+                  r"statistics, which a row counter or a maximum is not \(docs/limitations.md\)\. "
+                  r"Received: assigned=\['counter/seen'\]$", m) for m in messages
+    ), messages
+    assert float(model.get_layer("counter").seen.numpy()) == 12.0  # as documented: averaged, one device counts 24
+
+
+def test_batchnormalization_under_xla_per_replica_is_warned_about_at_compile():
+    # Documented, but silent: "auto" turns XLA on with GPUs, and each replica's statistics differ from one device's.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.BatchNormalization(name="bn")])
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    with pytest.warns(UserWarning, match=r"Under XLA per replica, BatchNormalization normalises each replica's rows, not "
+                                         r"the batch's \(as tf.distribute\)\. For one device's numbers pass "
+                                         r"jit_compile=False\. Received: layers=\['bn'\]") as caught:
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert caught[0].filename == __file__  # the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=False)

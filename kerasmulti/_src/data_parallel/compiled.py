@@ -144,6 +144,13 @@ class CompiledReplicas:
         self._needs_counts = {}
         self._reads = None  # `_prepare`: the template may be built only by the first step
         self._connected = None  # which variables the loss reaches, found when a training step is traced
+        local = [layer.name for layer in _sync_batchnorm.batchnorm_layers(template)]  # none synchronized: `resolve`
+        if local:
+            warnings.warn(  # from the user's compile(): here, its `_outer_jit_compile`, compile
+                "Under XLA per replica, BatchNormalization normalises each replica's rows, not the batch's (as "
+                f"tf.distribute). For one device's numbers pass jit_compile=False. Received: layers={local}",
+                stacklevel=4,
+            )
 
     def _prepare(self):
         """Lays out the template's variables (again, if they changed) for the packed step."""
@@ -161,6 +168,8 @@ class CompiledReplicas:
             for generator in keras_private.seed_generators(layer)
         }
         self._is_seed = [id(v) in seed_ids for v in state]
+        statistics = {id(v) for layer in _sync_batchnorm.batchnorm_layers(template) for v in layer.non_trainable_variables}
+        self._merged_as_statistics = [id(v) not in seed_ids | statistics for v in state]  # warned about if assigned
         optimizer = self._model.optimizer
         everything = variables + (list(optimizer.variables) if optimizer is not None else [])
         devices = {_packing.device_of(v) for v in everything}
@@ -293,7 +302,10 @@ class CompiledReplicas:
             if training:
                 tape.watch(trainable)
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+                given = [scope.get_current_value(v) for v in template.non_trainable_variables]
                 y_pred = template(x, training=training)
+                if mode == "step":
+                    _warn_if_assigned(template, scope, given, self._merged_as_statistics)
                 _split.check_batch_axis(y_pred, x)
                 if mode == "forward":
                     return {"y_pred": y_pred, "masks": tree.map_structure(get_keras_mask, y_pred)}
@@ -322,6 +334,20 @@ class CompiledReplicas:
             "tracked": {str(k): v for k, v in self._deferred.of_replica(_replicas.replica_id()).items()},
             "state": self._state.pack([scope.get_current_value(v) for v in template.non_trainable_variables]),
         }
+
+
+def _warn_if_assigned(template, scope, given: list, merged_as_statistics: list) -> None:
+    """Warns (as the step is traced) where a layer other than BatchNormalization assigns a variable in `call`."""
+    assigned = [v.path for v, before, other in zip(template.non_trainable_variables, given, merged_as_statistics)
+                if other and scope.get_current_value(v) is not before]
+    if assigned:
+        # docs/limitations.md, "Custom steps and layer metrics".
+        warnings.warn(
+            f"Under XLA per replica, '{template.name}' assigns variables in its call; the replicas' values are averaged "
+            "by rows, as BatchNormalization's statistics, which a row counter or a maximum is not (docs/limitations.md). "
+            f"Received: assigned={assigned}",
+            stacklevel=2,
+        )
 
 
 def _joined(rows, variable) -> tf.IndexedSlices:
