@@ -290,18 +290,35 @@ def test_keras_own_counter_tests_on_a_parallel_model(tmp_path, save_freq, stop, 
     assert int(template.layers[0].counter.value) == 15 * 3  # every step of 5 epochs, once
 
 
-def _two_fits(tmp_path, make, stop_after, save_freq=5, **fit):
-    """An uninterrupted fit's history and weights, and those of one stopped after `stop_after` batches and resumed."""
+def _two_fits(tmp_path, make, stop_after, save_freq=5, others=list, **fit):
+    """An uninterrupted fit's history and weights, and those of one stopped after `stop_after` batches and resumed.
+
+    `others()`: the other callbacks of each fit.
+    """
     x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
     fit = dict(x=x, y=y, batch_size=4, epochs=3, shuffle=False, verbose=0, **fit)
     straight = make()
-    history = straight.fit(**fit).history
+    history = straight.fit(**fit, callbacks=others()).history
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="stopped"):
-        make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), StopAfterBatches(stop_after)])
+        make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), *others(),
+                                     StopAfterBatches(stop_after)])
     resumed = make()
-    resumed_history = resumed.fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq)]).history
+    callbacks = [kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), *others()]
+    resumed_history = resumed.fit(**fit, callbacks=callbacks).history
     return (history, straight), (resumed_history, resumed)
+
+
+def test_a_learning_rate_set_from_its_value_as_an_epoch_begins_is_set_once_in_a_resumed_epoch(tmp_path):
+    # The resumed epoch's on_epoch_begin ran again after the backup was read: halved twice (0.00625, not 0.0125).
+    halving = lambda: [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)]  # noqa: E731
+    # 10 batches an epoch, a backup every 5: resumed in the middle of the second epoch.
+    (history, straight), (resumed_history, resumed) = _two_fits(tmp_path, _parallel, stop_after=17, others=halving)
+    assert float(resumed.optimizer.learning_rate.numpy()) == float(straight.optimizer.learning_rate.numpy())
+    assert float(straight.optimizer.learning_rate.numpy()) == pytest.approx(0.01 / 8)
+    assert resumed_history["loss"] == pytest.approx(history["loss"][1:], rel=1e-6)
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
 
 
 def _plain(seed=3):

@@ -144,7 +144,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         paths = keras_private.backup_paths(self)
         if _cluster.is_chief():
             _atomic.remove_stale_temporaries(paths["weights"])
-        self._position, self._resumed, self._metrics = (0, 0), (0, 0), None
+        self._position, self._resumed, self._metrics, self._scalars = (0, 0), (0, 0), None, []
         try:
             fields = self._restore(paths["weights"], paths["metadata"])
         except _Damaged as damaged:
@@ -156,6 +156,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             if order is not None and "order_seed" in fields:
                 order.seed.assign(fields["order_seed"])
             if self._resumed[1]:
+                self._scalars = _training_state.optimizer_scalars(self.model)
                 _training_state.skip_steps(self.model, self._resumed[1], self._restore_metrics)
         self._watch = _preemption.Watch(self.model)
 
@@ -163,6 +164,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         self._position = (epoch, 0)
 
     def _restore_metrics(self, batch) -> None:
+        # The epoch's start ran again: its callbacks may have set the learning rate once more.
+        for variable, value in self._scalars:
+            variable.assign(value)
         # Keras reset the metrics as the epoch began; they go on from the backup's.
         if self._metrics is not None:
             try:

@@ -12,7 +12,9 @@ backup carries each:
 - A backup written in the middle of an epoch: the resumed run starts that
   epoch again, passes over the batches already trained (read, not trained:
   `skip_steps`), and the epoch's metrics go on from their saved values, so
-  the epoch's logs are those of the whole epoch.
+  the epoch's logs are those of the whole epoch; the optimizers' learning
+  rates are the backup's again, whatever the epoch's start set them to
+  (`optimizer_scalars`).
 
 The optimizers' states are in the weights file; the parallel model's
 `load_weights` puts them back also into optimizers Keras has not built yet
@@ -29,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel.parallel_model import unwrap
 
 _GROUP = "kerasmulti_state"
@@ -88,6 +91,24 @@ def restore_metrics(model, values: list, batch) -> None:
         # Keras builds the compiled metrics as the first step traces.
         keras_private.symbolic_build(model, batch)
     assign(model.metrics_variables, values, "metrics")
+
+
+def optimizer_scalars(model) -> list:
+    """The optimizers' scalar variables (learning rate, iterations, loss scale), each with its value now.
+
+    A run resumed in the middle of an epoch calls that epoch's `on_epoch_begin`
+    again, after the backup was read: a callback that sets the learning rate
+    from its value (`LearningRateScheduler(lambda epoch, lr: lr * 0.5)`) would
+    set it twice. The backup's values are put back as the first batch is read.
+    """
+    optimizers = [model.optimizer] + _custom_steps.optimizers(unwrap(model))
+    pairs, seen = [], set()
+    for optimizer in optimizers:
+        for variable in getattr(optimizer, "variables", []):
+            if len(variable.shape) == 0 and id(variable) not in seen:
+                seen.add(id(variable))
+                pairs.append((variable, np.asarray(variable)))
+    return pairs
 
 
 def skip_steps(model, steps: int, first_batch) -> None:
