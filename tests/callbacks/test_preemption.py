@@ -171,3 +171,37 @@ def test_a_fit_after_one_that_raised_still_backs_up_on_sigterm(tmp_path):
     )
     assert result.returncode == REQUEUE, result.stderr[-3000:]
     assert "resumes after step 2 of epoch 1" in result.stderr
+
+
+SIGTERM_IN_A_LATER_CALLBACK = """
+import os, signal, sys
+import kerasmulti
+kerasmulti.simulate_devices(2)
+import keras, numpy as np
+
+class SlowLastEpochEnd(keras.callbacks.Callback):  # a checkpoint saving, say, after the backup's look
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1 and sys.argv[2] == "strike":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+parallel = kerasmulti.parallelize(model, gpus=2)
+parallel.compile(optimizer="sgd", loss="mse")
+backup = kerasmulti.ParallelBackupAndRestore(sys.argv[1])
+fit = parallel.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=2, callbacks=[backup, SlowLastEpochEnd()], verbose=0)
+print("steps", int(parallel.optimizer.iterations.numpy()), "epochs run", len(fit.epoch), flush=True)
+"""
+
+
+def test_sigterm_in_another_callbacks_last_epoch_end_is_not_swallowed_and_the_rerun_trains_nothing(tmp_path):
+    # The flag was raised after the backup's last look: fit returned, the backup was deleted, exit 0.
+    run = [sys.executable, "-c", SIGTERM_IN_A_LATER_CALLBACK, str(tmp_path / "backup")]
+    struck = subprocess.run([*run, "strike"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert struck.returncode == REQUEUE, struck.stdout + struck.stderr[-3000:]
+    assert "the backup in" in struck.stderr and "resumes at the end of training, with nothing left to train" in struck.stderr
+    assert "steps" not in struck.stdout
+    again = subprocess.run([*run, "rerun"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "steps 4 epochs run 0" in again.stdout  # 2 epochs of 2 steps, all before the SIGTERM
+    assert not os.path.exists(tmp_path / "backup" / "latest.weights.h5")  # done: deleted as Keras does

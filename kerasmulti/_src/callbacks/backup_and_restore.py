@@ -197,6 +197,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     def _leave(self, saved: bool) -> None:
         epoch, step = self._position if saved else self._resumed
         where = f"after step {step} of epoch {epoch + 1}" if step else f"at the start of epoch {epoch + 1}"
+        if epoch == (self.params or {}).get("epochs"):
+            where = "at the end of training, with nothing left to train"
         _preemption.leave(
             self.model,
             _cluster.is_chief()
@@ -318,6 +320,12 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         _atomic.write(target, save, "ParallelBackupAndRestore", f"backup_dir={self.backup_dir!r}", then)
 
     def on_train_end(self, logs=None):
+        if self._watch.agreed():
+            # SIGTERM after this callback's last look (during another callback's epoch end): training is
+            # over, so the backup of its end stays, and a requeued run resumes there, training nothing.
+            self._watch.stop()
+            self._save_model()
+            self._leave(saved=True)
         self._watch.stop()
         if _cluster.is_chief():
             super().on_train_end(logs)

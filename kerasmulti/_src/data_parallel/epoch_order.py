@@ -16,7 +16,8 @@ sample weights, once, before they are gathered batch by batch.
 
 Used for `fit(shuffle=True)` on arrays across workers (every worker must
 draw the same order) and, in one process, when a `ParallelBackupAndRestore`
-is among the callbacks.
+is among the callbacks; there also for a `PyDataset`'s batches
+(`OrderedBatches`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import random
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
@@ -112,3 +114,39 @@ def shuffled(x, y, sample_weight, batch_size, class_weight, order: EpochOrder) -
     # The seed and the epoch are read when each epoch's order is drawn.
     options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
     return dataset.with_options(options)
+
+
+class OrderedBatches(keras.utils.PyDataset):
+    """A `PyDataset`'s batches in an order drawn from `order`'s seed and epoch, which a backup resumes.
+
+    Keras shuffles a PyDataset's batches (fit's `shuffle=True`) with no
+    seed. Read by one worker thread (the default), each batch is fetched
+    while its epoch runs, after the epoch's number is set.
+    """
+
+    def __init__(self, data, order: EpochOrder):
+        super().__init__()
+        self.data, self.order, self._drawn = data, order, (None, None)
+
+    @property
+    def num_batches(self):
+        return self.data.num_batches
+
+    def __getitem__(self, index):
+        key = (int(self.order.seed.numpy()), int(self.order.epoch.numpy()))
+        if key != self._drawn[0]:
+            self._drawn = (key, np.random.default_rng(list(key)).permutation(self.data.num_batches))
+        return self.data[int(self._drawn[1][index])]
+
+    def on_epoch_begin(self):
+        self.data.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.data.on_epoch_end()
+
+
+def resumable(data) -> bool:
+    """Whether `fit(shuffle=True)` on `data` can take `OrderedBatches`' order: a finite PyDataset read by one thread."""
+    return (isinstance(data, keras.utils.PyDataset) and data.num_batches is not None
+            and getattr(data, "workers", 1) <= 1 and not getattr(data, "use_multiprocessing", False))
+

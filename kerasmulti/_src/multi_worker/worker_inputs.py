@@ -40,7 +40,12 @@ def fit_arguments(strategy, arguments: dict, seed: int) -> dict:
     if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
         arguments["x"] = _per_worker_dataset(strategy, x)
     elif isinstance(x, keras.utils.PyDataset):
-        arguments["x"] = WorkerBatches(x, seed if arguments["shuffle"] else None)
+        if arguments["shuffle"] and _epoch_order.resumable(x):  # an order a backup resumes (one process's too)
+            order = _epoch_order.EpochOrder(seed)
+            arguments["callbacks"] = _epoch_order.with_callback(arguments["callbacks"], order)
+            arguments["x"] = WorkerBatches(_epoch_order.OrderedBatches(x, order))
+        else:
+            arguments["x"] = WorkerBatches(x, seed if arguments["shuffle"] else None)
         arguments["shuffle"] = False
     elif arguments["shuffle"] and array_data_adapter.can_convert_arrays((x, arguments["y"])):
         arguments = _shuffled(arguments, seed)
