@@ -8,6 +8,7 @@ import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow st
 import json
 import os
 import re
+import warnings
 from unittest import mock
 
 import keras
@@ -396,3 +397,40 @@ def test_a_pydataset_that_fit_shuffles_resumes_exactly(tmp_path, kind):
     resumed.fit(_Batches(x, y), callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=5)], **fit)
     for a, b in zip(straight.weights, resumed.weights):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
+def _deciders():
+    """Callbacks that decide from past epochs; no epoch improves on the first by 10."""
+    return [keras.callbacks.EarlyStopping(monitor="loss", patience=3, min_delta=10.0, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=10.0)]
+
+
+def test_early_stopping_and_reduce_lr_on_plateau_resume_with_their_patience(tmp_path):
+    # Their counters started afresh in the resumed run: it reduced later and stopped later (2 epochs more).
+    x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
+    fit = dict(x=x, y=y, batch_size=8, epochs=10, shuffle=False, verbose=0)
+    straight = _parallel()
+    epochs = straight.fit(**fit, callbacks=_deciders()).epoch
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _parallel().fit(**fit, callbacks=[*_deciders(), kerasmulti.ParallelBackupAndRestore(backup), _Interrupt(2)])
+    resumed = _parallel()
+    deciders = _deciders()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = resumed.fit(**fit, callbacks=[*deciders, kerasmulti.ParallelBackupAndRestore(backup)]).epoch
+    assert not [w for w in caught if "backs up at an epoch's end" in str(w.message)]  # the backup after them
+    assert epochs == [0, 1, 2, 3] and rest == [2, 3]  # stopped where the uninterrupted run stopped
+    assert deciders[0].best_epoch == 0 and deciders[0].best_weights is not None  # restored at the end, as straight
+    assert float(resumed.optimizer.learning_rate.numpy()) == pytest.approx(float(straight.optimizer.learning_rate.numpy()))
+    for a, b in zip(straight.weights, resumed.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
+def test_a_backup_before_callbacks_whose_state_it_keeps_is_warned_about(tmp_path):
+    x, y = np.ones((8, 5)), np.ones((8, 1))
+    with pytest.warns(UserWarning, match=r"backs up at an epoch's end before \['EarlyStopping'\] update their state, "
+                                         r"so a resumed run misses that epoch's\. Put it after them in callbacks\. "
+                                         r"Received: callbacks=\['EarlyStopping'\]"):
+        _parallel().fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(str(tmp_path / "b")),
+                                                              keras.callbacks.EarlyStopping(monitor="loss")])

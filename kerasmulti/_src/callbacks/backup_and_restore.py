@@ -33,6 +33,7 @@ import keras
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
+from kerasmulti._src.callbacks import callback_state as _callback_state
 from kerasmulti._src.callbacks import preemption as _preemption
 from kerasmulti._src.callbacks import training_state as _training_state
 from kerasmulti._src.callbacks.model_checkpoint import check_local, check_target
@@ -144,7 +145,14 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         paths = keras_private.backup_paths(self)
         if _cluster.is_chief():
             _atomic.remove_stale_temporaries(paths["weights"])
-        self._position, self._resumed, self._metrics, self._scalars = (0, 0), (0, 0), None, []
+        self._position, self._resumed, self._metrics, self._scalars, self._callbacks = (0, 0), (0, 0), None, [], None
+        late = _callback_state.after(self, getattr(self.model, "_fit_callbacks", None)) if self.save_freq == "epoch" else []
+        if late:
+            warnings.warn(
+                f"ParallelBackupAndRestore backs up at an epoch's end before {late} update their state, so a "
+                f"resumed run misses that epoch's. Put it after them in callbacks. Received: callbacks={late}",
+                stacklevel=2,
+            )
         try:
             fields = self._restore(paths["weights"], paths["metadata"])
         except _Damaged as damaged:
@@ -162,6 +170,9 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._position = (epoch, 0)
+        if self._callbacks is not None:  # after every callback's on_train_begin, which resets them
+            _callback_state.restore(getattr(self.model, "_fit_callbacks", None), *self._callbacks)
+            self._callbacks = None
 
     def _restore_metrics(self, batch) -> None:
         # The epoch's start ran again: its callbacks may have set the learning rate once more.
@@ -269,6 +280,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         if state is not None:
             self._fit_state(_training_state.seed_states(self.model), state["seeds"], "seed states", weights)
             self._metrics = state["metrics"] if fields.get("step") else None
+            self._callbacks = state["callbacks"]  # given back as the first epoch begins (`on_epoch_begin`)
         return fields
 
     def _fit_state(self, variables, values, what: str, weights: str) -> None:

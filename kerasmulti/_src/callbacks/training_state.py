@@ -1,7 +1,7 @@
 """What a backup holds besides the weights, so that a resumed run is the uninterrupted one.
 
 Keras' `save_weights` writes the weights and the optimizer. A run resumed
-from them still differs from the run it continues in three ways, and the
+from them still differs from the run it continues in four ways, and the
 backup carries each:
 
 - Seeded layers (Dropout, noise) draw from `SeedGenerator` states, which
@@ -15,6 +15,9 @@ backup carries each:
   the epoch's logs are those of the whole epoch; the optimizers' learning
   rates are the backup's again, whatever the epoch's start set them to
   (`optimizer_scalars`).
+- Callbacks that decide from past epochs (`ReduceLROnPlateau`,
+  `EarlyStopping`): their counters, best value and best weights
+  (`callback_state.py`).
 
 The optimizers' states are in the weights file; the parallel model's
 `load_weights` puts them back also into optimizers Keras has not built yet
@@ -26,11 +29,14 @@ is replaced atomically, so the weights and the state never disagree.
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import numpy as np
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.callbacks import callback_state as _callback_state
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel.parallel_model import unwrap
 
@@ -56,22 +62,40 @@ def write(model, path: str, attributes: dict) -> None:
         # reading the whole is a collective the chief cannot run alone: a
         # resumed epoch's logs there cover the batches after the resume.
         metrics = []
+    callbacks, best_weights = _callback_state.state(getattr(model, "_fit_callbacks", None))
     with h5py.File(path, "a") as f:
         f.attrs.update(attributes)
         group = f.create_group(_GROUP)
+        group.attrs["callbacks"] = callbacks
         for name, variables in (("seeds", seed_states(model)), ("metrics", metrics)):
             part = group.create_group(name)
             for i, variable in enumerate(variables):
                 part.create_dataset(str(i), data=np.asarray(variable))
+        part = group.create_group("best_weights")
+        for i, weights in enumerate(best_weights):
+            if weights is not None:
+                one = part.create_group(str(i))
+                for j, value in enumerate(weights):
+                    one.create_dataset(str(j), data=np.asarray(value))
 
 
 def read(path: str) -> dict | None:
-    """`{"seeds": [...], "metrics": [...]}` from a weights file; None where it holds none (Keras wrote it)."""
+    """`{"seeds": [...], "metrics": [...], "callbacks": ...}` from a weights file; None where it holds none (Keras wrote it).
+
+    "callbacks": the kept callbacks' state and best weights (`callback_state`), None in an older backup.
+    """
     with h5py.File(path, "r") as f:
         if _GROUP not in f:
             return None
         group = f[_GROUP]
-        return {name: [group[name][str(i)][()] for i in range(len(group[name]))] for name in ("seeds", "metrics")}
+        state = {name: [group[name][str(i)][()] for i in range(len(group[name]))] for name in ("seeds", "metrics")}
+        state["callbacks"] = None
+        if "callbacks" in group.attrs:
+            fields, best = group.attrs["callbacks"], group["best_weights"]
+            weights = [[best[k][str(j)][()] for j in range(len(best[k]))] if k in best else None
+                       for k in map(str, range(len(json.loads(fields))))]
+            state["callbacks"] = (fields, weights)
+        return state
 
 
 def assign(variables: list, values: list, what: str) -> None:

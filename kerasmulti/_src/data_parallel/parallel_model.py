@@ -55,6 +55,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         self._timing = None  # step timing (`ThroughputMonitor`, `split="auto"`)
         self._fit_calls = 0
         self._validates = None  # whether the running fit has validation data (`_fit_started`)
+        self._fit_callbacks = []  # the running fit's callbacks (`_fit_started`)
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
@@ -129,9 +130,11 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         return None
 
     def _fit_started(self, arguments: dict) -> None:
-        """Counts a `fit` call and notes whether it validates (a checkpoint's `val_` names exist then)."""
+        """Counts a `fit` call; notes whether it validates (a checkpoint's `val_` names) and its callbacks."""
         self._fit_calls += 1
         self._validates = arguments.get("validation_data") is not None or bool(arguments.get("validation_split"))
+        callbacks = arguments.get("callbacks")
+        self._fit_callbacks = list(getattr(callbacks, "callbacks", callbacks) or [])  # a backup keeps some's state
 
     def _time_steps(self) -> None:
         """Turns on step timing (`ThroughputMonitor`); the next fit traces its step again."""
