@@ -434,3 +434,13 @@ def test_a_backup_before_callbacks_whose_state_it_keeps_is_warned_about(tmp_path
                                          r"Received: callbacks=\['EarlyStopping'\]"):
         _parallel().fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(str(tmp_path / "b")),
                                                               keras.callbacks.EarlyStopping(monitor="loss")])
+
+
+def test_a_pydataset_read_in_part_each_epoch_keeps_kerass_own_order():
+    # With fewer steps_per_epoch Keras goes on with one iterator across epochs: an order drawn anew
+    # each epoch mixed two orders in one pass (one batch twice, another never).
+    from kerasmulti._src.data_parallel import epoch_order
+
+    batches = _Batches(np.zeros((24, 5)), np.zeros((24, 1)))
+    assert epoch_order.resumable(batches) and epoch_order.resumable(batches, 6)
+    assert not epoch_order.resumable(batches, 3)

@@ -182,6 +182,8 @@ import keras, numpy as np
 class SlowLastEpochEnd(keras.callbacks.Callback):  # a checkpoint saving, say, after the backup's look
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1 and sys.argv[2] == "strike":
+            if sys.argv[3] == "stopped early":
+                self.model.stop_training = True  # as EarlyStopping does: the last of 4 epochs is epoch 1
             os.kill(os.getpid(), signal.SIGTERM)
 
 keras.utils.set_random_seed(0)
@@ -189,19 +191,22 @@ model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 parallel = kerasmulti.parallelize(model, gpus=2)
 parallel.compile(optimizer="sgd", loss="mse")
 backup = kerasmulti.ParallelBackupAndRestore(sys.argv[1])
-fit = parallel.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=2, callbacks=[backup, SlowLastEpochEnd()], verbose=0)
+epochs = 4 if sys.argv[3] == "stopped early" else 2
+fit = parallel.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, epochs=epochs, callbacks=[backup, SlowLastEpochEnd()], verbose=0)
 print("steps", int(parallel.optimizer.iterations.numpy()), "epochs run", len(fit.epoch), flush=True)
 """
 
 
-def test_sigterm_in_another_callbacks_last_epoch_end_is_not_swallowed_and_the_rerun_trains_nothing(tmp_path):
+@pytest.mark.parametrize("end", ["last epoch", "stopped early"])
+def test_sigterm_in_another_callbacks_last_epoch_end_is_not_swallowed_and_the_rerun_trains_nothing(tmp_path, end):
     # The flag was raised after the backup's last look: fit returned, the backup was deleted, exit 0.
+    # (Stopped early, the backup first said "the start of epoch 3", and the rerun trained epochs 3 and 4.)
     run = [sys.executable, "-c", SIGTERM_IN_A_LATER_CALLBACK, str(tmp_path / "backup")]
-    struck = subprocess.run([*run, "strike"], capture_output=True, text=True, env=ENV, timeout=300)
+    struck = subprocess.run([*run, "strike", end], capture_output=True, text=True, env=ENV, timeout=300)
     assert struck.returncode == REQUEUE, struck.stdout + struck.stderr[-3000:]
     assert "the backup in" in struck.stderr and "resumes at the end of training, with nothing left to train" in struck.stderr
     assert "steps" not in struck.stdout
-    again = subprocess.run([*run, "rerun"], capture_output=True, text=True, env=ENV, timeout=300)
+    again = subprocess.run([*run, "rerun", end], capture_output=True, text=True, env=ENV, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "steps 4 epochs run 0" in again.stdout  # 2 epochs of 2 steps, all before the SIGTERM
     assert not os.path.exists(tmp_path / "backup" / "latest.weights.h5")  # done: deleted as Keras does

@@ -282,3 +282,14 @@ def test_batchnormalization_under_xla_per_replica_is_warned_about_at_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         parallel.compile(optimizer="sgd", loss="mse", jit_compile=False)
+
+
+def test_a_frozen_batchnormalization_is_not_warned_about_under_xla():
+    # It normalises with its moving statistics, as on one device (a frozen pretrained base).
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+    model.layers[-1].trainable = False
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert not [w for w in caught if "BatchNormalization" in str(w.message)]

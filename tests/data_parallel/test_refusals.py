@@ -376,3 +376,20 @@ def test_a_loss_a_layer_adds_that_is_not_a_mean_over_the_rows_is_warned_about(re
     if warned:
         assert re.search(r"adds a loss \(add_loss\) that is not a mean over the batch's rows, so split over devices it "
                          r"differs\. Divide it by the rows, or use one device\. Received: relative difference=", messages[0])
+
+
+class _Centring(keras.layers.Layer):
+    """Subtracts the batch's mean (mixes rows), with a random penalty added."""
+
+    def call(self, t):
+        self.add_loss(keras.ops.mean(keras.ops.square(t)) * keras.random.uniform(()))
+        return t - keras.ops.mean(t, axis=0, keepdims=True)
+
+
+def test_a_random_added_loss_does_not_hide_outputs_that_mix_rows():
+    # Outputs and added losses were judged together: a random penalty made the probe judge nothing.
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    inputs = keras.Input((3,))
+    parallel = kerasmulti.parallelize(keras.Model(inputs, keras.layers.Dense(2)(_Centring()(inputs))), gpus=2)
+    with pytest.warns(UserWarning, match="for a row depend on the other rows of its batch"):
+        parallel.predict(x, verbose=0)

@@ -312,9 +312,9 @@ def test_the_notebook_launcher_refuses_bad_arguments(arguments, message):
         kerasmulti.launch(**arguments)
 
 
-def _notebook_launch(mode):
+def _notebook_launch(mode, *args):
     return subprocess.run(
-        [sys.executable, os.path.join(WORKERS, "notebook_launch.py"), mode],
+        [sys.executable, os.path.join(WORKERS, "notebook_launch.py"), mode, *args],
         capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300,
     )
 
@@ -327,6 +327,18 @@ def test_the_notebook_launcher_trains_across_workers_and_returns_their_results()
     assert "[worker 0] training in worker 0" in result.stdout
     assert "[worker 1] training in worker 1" in result.stdout
     assert "same weights" in result.stdout
+
+
+@pytest.mark.slow
+@NEEDS_CLUSTER
+def test_the_notebook_launchers_workers_back_up_their_step_on_sigterm(tmp_path):
+    # Forked, they kept the launcher's SIGTERM handler (stop the workers): exit 143 and no backup.
+    result = _notebook_launch("sigterm", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resumes after step 3 of epoch 1. Exiting with code 42" in result.stdout
+    assert ("launch raised: SIGTERM stopped the workers after they backed up the step they reached. Call launch() "
+            "again to go on from there. Received: exitcode=42") in result.stdout
+    assert "latest.weights.h5" in os.listdir(tmp_path)
 
 
 @pytest.mark.slow

@@ -4,9 +4,12 @@
 "same weights" when they agree. `notebook_launch.py fail`: worker 1 raises;
 `notebook_launch.py unloadable`: the workers return a value that cannot be
 unpickled here; `unpicklable`: one that cannot be pickled there (a lambda). Each
-prints the error launch() raised.
+prints the error launch() raised. `notebook_launch.py sigterm FOLDER`: worker 1
+gets SIGTERM at its third batch, with a ParallelBackupAndRestore in FOLDER.
 """
 
+import os
+import signal
 import sys
 
 import kerasmulti
@@ -38,7 +41,16 @@ def train(mode):
     parallel = kerasmulti.parallelize(model)
     parallel.compile(optimizer="sgd", loss="mse")
     rng = np.random.default_rng(index)  # different data: only an all-reduce keeps them equal
-    parallel.fit(rng.normal(size=(32, 4)), rng.normal(size=(32, 1)), batch_size=8, verbose=0)
+    callbacks = []
+    if mode == "sigterm":  # worker 1 is preempted at its third batch: both back up that step
+
+        class Preempted(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 2 and index == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        callbacks = [Preempted(), kerasmulti.ParallelBackupAndRestore(sys.argv[2])]
+    parallel.fit(rng.normal(size=(32, 4)), rng.normal(size=(32, 1)), batch_size=8, verbose=0, callbacks=callbacks)
     return model.get_weights()
 
 

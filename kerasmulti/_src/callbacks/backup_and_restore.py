@@ -334,8 +334,10 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_end(self, logs=None):
         if self._watch.agreed():
             # SIGTERM after this callback's last look (during another callback's epoch end): training is
-            # over, so the backup of its end stays, and a requeued run resumes there, training nothing.
+            # over (also where EarlyStopping ended it), so the backup of its end stays, and a requeued run
+            # resumes there, training nothing.
             self._watch.stop()
+            self._position = ((self.params or {}).get("epochs", self._position[0]), 0)
             self._save_model()
             self._leave(saved=True)
         self._watch.stop()

@@ -144,7 +144,8 @@ class CompiledReplicas:
         self._needs_counts = {}
         self._reads = None  # `_prepare`: the template may be built only by the first step
         self._connected = None  # which variables the loss reaches, found when a training step is traced
-        local = [layer.name for layer in _sync_batchnorm.batchnorm_layers(template)]  # none synchronized: `resolve`
+        # None synchronized (`resolve`); a frozen one normalises with its moving statistics, as on one device.
+        local = [layer.name for layer in _sync_batchnorm.batchnorm_layers(template) if layer.trainable]
         if local:
             warnings.warn(  # from the user's compile(): here, its `_outer_jit_compile`, compile
                 "Under XLA per replica, BatchNormalization normalises each replica's rows, not the batch's (as "

@@ -145,8 +145,13 @@ class OrderedBatches(keras.utils.PyDataset):
         self.data.on_epoch_end()
 
 
-def resumable(data) -> bool:
-    """Whether `fit(shuffle=True)` on `data` can take `OrderedBatches`' order: a finite PyDataset read by one thread."""
+def resumable(data, steps_per_epoch=None) -> bool:
+    """Whether `fit(shuffle=True)` on `data` can take `OrderedBatches`' order: a finite PyDataset read by one thread.
+
+    And read whole each epoch: with fewer `steps_per_epoch`, Keras goes on
+    with one iterator across epochs, whose pass would mix two epochs' orders.
+    """
     return (isinstance(data, keras.utils.PyDataset) and data.num_batches is not None
+            and steps_per_epoch in (None, data.num_batches)
             and getattr(data, "workers", 1) <= 1 and not getattr(data, "use_multiprocessing", False))
 

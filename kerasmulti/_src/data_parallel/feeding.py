@@ -99,7 +99,7 @@ def fit_arguments(arguments: dict, seed: int | None = None, model=None) -> dict:
     check_ends("fit", arguments, "steps_per_epoch")
     check_ends("fit", arguments, "validation_steps", "validation_data")
     x, y, sample_weight = arguments["x"], arguments["y"], arguments["sample_weight"]
-    if seed is not None and arguments["shuffle"] is True and _epoch_order.resumable(x):
+    if seed is not None and arguments["shuffle"] is True and _epoch_order.resumable(x, arguments["steps_per_epoch"]):
         # Keras would shuffle its batches with no seed: a backup could not resume the order.
         order = _epoch_order.EpochOrder(seed)
         callbacks = _epoch_order.with_callback(arguments["callbacks"], order)

@@ -104,8 +104,8 @@ def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple
     """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves; and the losses added.
 
     The halves' added losses count by their shares of the rows, as the
-    replicas' do. (0, 0) where the whole rows' outputs or added losses change
-    from one call to the next (random draws).
+    replicas' do. Either is 0 where it changes from one call of the whole
+    rows to the next (random draws).
     """
     half = rows // 2
 
@@ -116,12 +116,13 @@ def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple
 
     with _put_back(template, assigned):
         (whole, loss), (again, loss_again) = run(0, rows), run(0, rows)
-        if _relative(whole, again) > TOLERANCE or _relative([np.float64(loss)], [np.float64(loss_again)]) > TOLERANCE:
-            return 0.0, 0.0
         (first, first_loss), (second, second_loss) = run(0, half), run(half, rows)
     halves = [np.concatenate([a, b]) if _one_row_each(a, b, rows) else None for a, b in zip(first, second)]
     parts = (first_loss * half + second_loss * (rows - half)) / rows
-    return _relative(whole, halves), _relative([np.float64(loss)], [np.float64(parts)])
+    loss, loss_again, parts = ([np.float64(v)] for v in (loss, loss_again, parts))
+    # Each judged apart: random outputs say nothing of the added losses, and the other way round.
+    outputs = 0.0 if _relative(whole, again) > TOLERANCE else _relative(whole, halves)
+    return outputs, 0.0 if _relative(loss, loss_again) > TOLERANCE else _relative(loss, parts)
 
 
 @contextlib.contextmanager

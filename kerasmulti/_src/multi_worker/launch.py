@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from kerasmulti._src.multi_worker.tf_config import (
     physical_gpus,
     worker_environment,
 )
+from kerasmulti._src.startup import REQUEUE_EXIT_CODE
 
 # A worker's exit code when its function returned a value that cannot be
 # pickled (not retried). An uncommon one, since a function's own
@@ -86,7 +88,9 @@ def launch(
             GPUs are asked for than this machine has.
         RuntimeError: If TensorFlow already ran in this process, or a worker
             failed (its traceback is printed above the error; the error ends
-            with its exit code, e.g. `Received: exitcode=3` for `sys.exit(3)`).
+            with its exit code, e.g. `Received: exitcode=3` for `sys.exit(3)`),
+            or SIGTERM stopped the workers after a `ParallelBackupAndRestore`
+            backed up their step (`Received: exitcode=42`: call it again).
 
     Example:
 
@@ -144,6 +148,11 @@ def launch(
             raise RuntimeError(
                 f"Worker {failed} finished, but its return value cannot be pickled to send it back (reason "
                 f"above). Return plain data, e.g. history.history, not a model. Received: type={sent.type_name}"
+            )
+        if processes[failed].returncode == REQUEUE_EXIT_CODE:
+            raise RuntimeError(
+                "SIGTERM stopped the workers after they backed up the step they reached. Call launch() "
+                f"again to go on from there. Received: exitcode={REQUEUE_EXIT_CODE}"
             )
         raise RuntimeError(
             f"Worker {failed} of {workers} failed (output above, as [worker {failed}]); the others were stopped. "
@@ -214,6 +223,10 @@ def _tensorflow_started() -> bool:
 
 
 def _run_forked(function, args, index, hosts, gpus, output_fd, results, parent: int) -> None:
+    # The launcher's handlers (which stop its workers) are not the worker's: with SIGTERM's
+    # default, a ParallelBackupAndRestore backs up the step and exits 42, as in a script.
+    for number in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
     parent_death.ask_for_sigterm(parent)  # a killed notebook kernel leaves no worker training
     os.dup2(output_fd, 1)
     os.dup2(output_fd, 2)

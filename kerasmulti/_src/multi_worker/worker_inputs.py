@@ -40,7 +40,7 @@ def fit_arguments(strategy, arguments: dict, seed: int) -> dict:
     if callable(x) and not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
         arguments["x"] = _per_worker_dataset(strategy, x)
     elif isinstance(x, keras.utils.PyDataset):
-        if arguments["shuffle"] and _epoch_order.resumable(x):  # an order a backup resumes (one process's too)
+        if arguments["shuffle"] and _epoch_order.resumable(x, arguments["steps_per_epoch"]):  # an order a backup resumes
             order = _epoch_order.EpochOrder(seed)
             arguments["callbacks"] = _epoch_order.with_callback(arguments["callbacks"], order)
             arguments["x"] = WorkerBatches(_epoch_order.OrderedBatches(x, order))
