@@ -79,9 +79,10 @@ def _positive_int(text: str) -> int:
 
 def _count(text: str) -> int:
     """0 or more (--max-restarts)."""
-    if _int(text) < 0:
+    value = _int(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more. Received: {text!r}")
-    return int(text)
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -31,13 +31,13 @@ def merged_leaf(values, name, shares, shards):
         return first
     if name == "sample_weight" and isinstance(first, (float, keras.Variable, tf.Variable)):
         return first  # a weight the whole batch shares, not a count of the replica's rows
-    if isinstance(first, (int, float)) or _rank(first) == 0:
+    if isinstance(first, (int, float)) or rank(first) == 0:
         # Keras passes a sub-batch's row count as the weight of its mean.
         weights = [_split.counts(s) for s in shards] if name == "sample_weight" else shares
         total = _weighted_sum(weights, values)
         dtype = getattr(first, "dtype", None)
         return total if dtype is None else tf.cast(total, dtype)
-    if _rank(first) is None:
+    if rank(first) is None:
         return first  # of unknown rank: the first replica's
     rows, sliced = first.shape[0], tf.get_static_value(shards[0].sliced)  # known eagerly, also under "auto"
     if rows is None or (sliced is not None and rows == sliced) or _rows_per_batch_row(values, shards):
@@ -60,7 +60,7 @@ def _every_counted_row(values, shards):
     return _split.merge(kept, [_split.Shard(0, None, 1)] * len(kept))  # kept whole
 
 
-def _rank(value):
+def rank(value):
     """The rank of a tensor or array; None where unknown (or not an array)."""
     shape = getattr(value, "shape", None)
     return None if shape is None else shape.rank if hasattr(shape, "rank") else len(shape)
@@ -109,9 +109,9 @@ def merged_logs(logs: list, shares: list):
     merged = {}
     for key, first in logs[0].items():
         values = [replica.get(key) for replica in logs]
-        if all(_rank(v) == 0 for v in values):
+        if all(rank(v) == 0 for v in values):
             merged[key] = _weighted_sum(shares, values)
-        elif _rank(first) is None and isinstance(first, tf.Tensor) and first.dtype.is_floating:
+        elif rank(first) is None and isinstance(first, tf.Tensor) and first.dtype.is_floating:
             # Of unknown rank (tf.numpy_function's): averaged if a scalar when it runs.
             average = lambda: tf.cast(_weighted_sum(shares, values), first.dtype)  # noqa: E731
             merged[key] = tf.cond(tf.equal(tf.rank(first), 0), average, lambda: first)

@@ -56,6 +56,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import step_merging as _step_merging
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
 from kerasmulti._src.multi_worker import accumulation as _accumulation
@@ -306,10 +307,7 @@ def _cluster_result(metric, original):
 
 
 def _scalar(value) -> bool:
-    if isinstance(value, (int, float)):
-        return True
-    shape = getattr(value, "shape", None)
-    return shape is not None and (shape.rank if hasattr(shape, "rank") else len(shape)) == 0
+    return isinstance(value, (int, float)) or _step_merging.rank(value) == 0
 
 
 def _share_weighted_all_reduce(original, share):
