@@ -105,7 +105,8 @@ def files(tmp_path_factory):
 
 def test_predict_from_npy_and_h5(files):
     folder, model, x = files
-    for source, extra in (("x.npy", []), ("x.h5", ["--dataset", "images"])):
+    shutil.copy(folder / "x.h5", folder / "UPPER.H5")  # suffixes in either case, as image files' are
+    for source, extra in (("x.npy", []), ("UPPER.H5", ["--dataset", "images"])):
         out = folder / f"{source}.out.h5"
         result = _kerasmulti("--simulate", "2", "predict", "m.keras", source, "--output", str(out), "--batch-size", "8", *extra, cwd=folder)
         assert result.returncode == 0, result.stderr[-3000:]

@@ -586,9 +586,12 @@ def test_the_input_file_is_refused_as_output(tmp_path):
         with pytest.raises(ValueError, match=r"would overwrite its input file.*Received: output="):
             kerasmulti.parallel_predict(model, f["x"], output=str(tmp_path / "data.h5"), verbose=0)
     np.save(tmp_path / "x.npy", x)
-    with pytest.raises(ValueError, match=r"would overwrite its input file"):
+    with pytest.raises(ValueError, match=r"writes an HDF5 file, not numpy's format"):
         kerasmulti.parallel_predict(model, np.load(tmp_path / "x.npy", mmap_mode="r"), output=str(tmp_path / "x.npy"), verbose=0)
-    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), x)
+    os.rename(tmp_path / "x.npy", tmp_path / "x.bin")  # numpy's format under another name
+    with pytest.raises(ValueError, match=r"would overwrite its input file"):
+        kerasmulti.parallel_predict(model, np.load(tmp_path / "x.bin", mmap_mode="r"), output=str(tmp_path / "x.bin"), verbose=0)
+    np.testing.assert_array_equal(np.load(tmp_path / "x.bin"), x)
 
 
 def test_a_pipeline_is_read_once_when_results_come_back_in_memory(tmp_path):

@@ -4,12 +4,14 @@ import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow st
 
 import errno
 import os
+import re
 import shutil
 
 import h5py
+import keras
 import numpy as np
 import pytest
-from test_inference import _data
+from test_inference import _Crashing, _data
 from test_inference import _two_outputs as _model
 
 import kerasmulti
@@ -30,7 +32,8 @@ def test_the_top_level_holds_the_outputs_alone(tmp_path):
     kerasmulti.parallel_predict(model, x, batch_size=4, output=path, verbose=0)  # a PathLike too
     with h5py.File(path, "r") as f:
         assert list(f) == ["features", "score"]
-        assert sorted(f.attrs) == ["kerasmulti_input", "kerasmulti_model", "kerasmulti_rows", "kerasmulti_rows_done"]
+        assert sorted(f.attrs) == ["kerasmulti_input", "kerasmulti_model", "kerasmulti_outputs", "kerasmulti_rows", "kerasmulti_rows_done"]
+        assert list(f.attrs["kerasmulti_outputs"]) == ["features", "score"]
     _assert_file_holds(path, model, x)
 
 
@@ -194,3 +197,83 @@ def test_extra_is_checked_before_anything_is_written(tmp_path):
     kerasmulti.parallel_predict(model, x, output=tmp_path / "texts.h5", extra={"names": texts}, verbose=0)
     with h5py.File(tmp_path / "texts.h5", "r") as f:
         assert list(f["names"].asstr()[:]) == list(texts)
+
+
+def test_text_outputs_are_refused_for_a_file_and_returned_in_memory(tmp_path):
+    # Variable-length strings are written into HDF5's heap, not in place: a kill could damage the file.
+    inputs = keras.Input((1,), dtype="int64")
+    model = keras.Model(inputs, keras.layers.StringLookup(vocabulary=["a", "b"], invert=True)(inputs))
+    x = np.array([[1], [2], [0], [1]])
+    np.testing.assert_array_equal(kerasmulti.parallel_predict(model, x, verbose=0), model.predict(x, verbose=0))
+    with pytest.raises(ValueError, match=r"writes numbers to its file, but output '.*' holds text\. Pass output=None\. Received: dtype=object$"):
+        kerasmulti.parallel_predict(model, x, output=tmp_path / "out.h5", verbose=0)
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_numpy_file_names_are_refused_as_output(tmp_path):
+    with pytest.raises(ValueError, match=r"writes an HDF5 file, not numpy's format\. Name it e\.g\. '.*preds\.h5'\. Received: output='.*preds\.NPY'$"):
+        kerasmulti.parallel_predict(_model(), _data(4), output=str(tmp_path / "preds.NPY"), verbose=0)
+    assert os.listdir(tmp_path) == []
+
+
+def _unnamed(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(3)(hidden), keras.layers.Dense(1)(hidden)])
+
+
+def test_the_same_model_built_again_in_the_process_resumes_the_file(tmp_path):
+    # A notebook's cell run again after Ctrl-C: the layers get new names (dense_1 ...), not new numbers.
+    model, x = _unnamed(0), _data(30)
+    path = str(tmp_path / "out.h5")
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=4), output=path, verbose=0)
+    again = _unnamed(0)
+    assert again.output_names != model.output_names
+    kerasmulti.parallel_predict(again, _Crashing(x), output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["kerasmulti_rows_done"] == 30 and sorted(f) == sorted(model.output_names)
+        for name, expected in zip(model.output_names, model.predict(x, verbose=0)):
+            np.testing.assert_allclose(f[name][:], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"different model"):  # other weights are another model still
+        kerasmulti.parallel_predict(_unnamed(1), x, output=str(tmp_path / "out.h5"), verbose=0)
+
+
+def test_a_resume_with_another_extra_is_refused_and_the_same_extra_resumes(tmp_path):
+    model, x = _model(), _data(12)
+    path = tmp_path / "out.h5"
+    names = np.array([f"row {i}" for i in range(12)])
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=1), output=path, extra={"names": names}, verbose=0)
+    for extra, begun in (({"names": names[::-1]}, "another"), ({"ids": np.arange(12)}, "no")):
+        key = next(iter(extra))
+        with pytest.raises(ValueError, match=rf"out\.h5' was begun with {begun} extra '{key}'\. Pass the same extra=, or delete the file\. Received: extra=\{{'{key}': \.\.\.\}}$"):
+            kerasmulti.parallel_predict(model, _Crashing(x), output=path, extra=extra, verbose=0)
+    kerasmulti.parallel_predict(model, _Crashing(x), output=path, extra={"names": list(names)}, verbose=0)
+    with h5py.File(path, "r") as f:
+        assert list(f["names"].asstr()[:]) == list(names) and sorted(f) == ["features", "names", "score"]
+    _assert_file_holds(path, model, x)
+
+
+def test_a_file_with_a_wrong_counter_or_a_missing_output_is_damaged(tmp_path):
+    model, x = _model(), _data(10)
+    for name, edit, reason in (
+        ("big.h5", lambda f: f.attrs.modify("kerasmulti_rows_done", np.int64(10**6)), "its row counter, 1000000, is out of range"),
+        ("negative.h5", lambda f: f.attrs.modify("kerasmulti_rows_done", np.int64(-5)), "its row counter, -5, is out of range"),
+        ("missing.h5", lambda f: f.__delitem__("score"), "output 'score' is missing"),
+    ):
+        path = str(tmp_path / name)
+        kerasmulti.parallel_predict(model, x, output=path, verbose=0)
+        with h5py.File(path, "r+") as f:
+            edit(f)
+        with pytest.raises(ValueError, match=rf"{name}' is damaged \({re.escape(reason)}\), so parallel_predict\(\) cannot resume it\..*Received: output="):
+            kerasmulti.parallel_predict(model, x, output=path, verbose=0)
+
+
+def test_an_hdf5_dataset_whose_file_is_closed_is_refused(tmp_path):
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f["x"] = _data(4)
+        dataset = f["x"]
+    with pytest.raises(ValueError, match=r"got an h5py\.Dataset whose file is closed\. Keep the file open while it runs\. Received: data=<Closed HDF5 dataset>$"):
+        kerasmulti.parallel_predict(_model(), dataset, verbose=0)

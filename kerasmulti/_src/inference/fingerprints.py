@@ -13,6 +13,7 @@ import json
 import numpy as np
 from keras import tree
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.inference.sources import Source
 
 
@@ -35,19 +36,34 @@ def fingerprint(source: Source) -> str:
 
 
 def model_fingerprint(model) -> str:
-    """Identifies a model by its architecture and weights."""
+    """Identifies a model by its architecture and weights, not by the names Keras made up for its layers.
+
+    The same model built again in one process gets new names (`dense_1`):
+    each layer's name is replaced by its place in the model, and the weights
+    are taken in order.
+    """
+    places = {layer.name: f"layer {i}" for i, layer in enumerate(keras_private.flatten_layers(model))}
     try:
         # Without placement's `layer_id`s: they name layer objects of this
         # process, and a reloaded model must be the same model.
-        config = _without_key(model.get_config(), "layer_id")
+        config = _renamed(_without_key(model.get_config(), "layer_id"), places)
         architecture = f"{type(model).__qualname__}:{json.dumps(config, sort_keys=True)}"
     except Exception:  # a subclassed model whose config cannot be serialised
         architecture = f"{type(model).__module__}.{type(model).__qualname__}"
     digest = hashlib.sha256(architecture.encode())
     for weight in model.weights:
-        digest.update(f"{weight.path}{tuple(weight.shape)}".encode())
+        digest.update(f"{tuple(weight.shape)}{weight.dtype}".encode())
         digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
     return digest.hexdigest()
+
+
+def _renamed(config, places: dict):
+    """`config` with every string that names one of the model's layers replaced by its place."""
+    if isinstance(config, dict):
+        return {k: _renamed(v, places) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [_renamed(v, places) for v in config]
+    return places.get(config, config) if isinstance(config, str) else config
 
 
 def _without_key(config, key):

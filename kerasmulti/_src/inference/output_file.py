@@ -7,8 +7,8 @@
 - Its top level holds the outputs (and the caller's `extra` datasets, checked
   before anything is written: a dict, one row per input row, no output's name) only.
   What kerasmulti keeps for itself is in attributes of the root: the model's
-  and the input's fingerprints, the row count, and `kerasmulti_rows_done`,
-  the rows that are final.
+  and the input's fingerprints, the row count, the outputs' names, and
+  `kerasmulti_rows_done`, the rows that are final.
 - Its blocks are reserved on disk when it is made and when it is resumed
   (`posix_fallocate`): HDF5's early allocation only sets the file's size, and
   a file system short of space would fail the writes of a later batch (h5py
@@ -37,6 +37,7 @@ from kerasmulti._src.utils import atomic as _atomic
 
 PROGRESS = "kerasmulti_rows_done"
 MODEL = "kerasmulti_model"
+OUTPUTS = "kerasmulti_outputs"  # the output datasets' names, in the model's order
 _SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of every HDF5 file h5py writes (no user block)
 
 
@@ -50,6 +51,13 @@ def check_path(output) -> str:
     if not path:
         raise ValueError(
             "parallel_predict() got an empty output path. Pass e.g. 'features.h5', or None. Received: output=''"
+        )
+    if path.lower().endswith((".npy", ".npz")):
+        # Written anyway, it would be an HDF5 file that np.load cannot read.
+        stem = os.path.splitext(path)[0]
+        raise ValueError(
+            f"parallel_predict() writes an HDF5 file, not numpy's format. Name it e.g. {stem + '.h5'!r}. "
+            f"Received: output={path!r}"
         )
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise ValueError(
@@ -129,10 +137,20 @@ def _keys(extra) -> str:
     return "{" + ", ".join(f"{key!r}: ..." for key in extra) + "}"
 
 
-def file_dtype(dtype: np.dtype) -> np.dtype:
+def file_dtype(dtype: np.dtype, name: str) -> np.dtype:
+    """The dtype output `name` is stored as; refuses text, whose writes would change the file's structure."""
     # HDF5 has no bfloat16 (mixed_bfloat16 outputs): h5py would store opaque
     # bytes. float32 holds every bfloat16 value exactly.
-    return np.dtype("float32") if dtype.name == "bfloat16" else dtype
+    if dtype.name == "bfloat16":
+        return np.dtype("float32")
+    if dtype.kind not in "biufc":
+        # Variable-length strings live in HDF5's heap: writing them is not the
+        # in-place write that keeps a killed file readable (module docstring).
+        raise ValueError(
+            f"parallel_predict() writes numbers to its file, but output '{name}' holds text. Pass output=None. "
+            f"Received: dtype={dtype}"
+        )
+    return dtype
 
 
 def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> None:
@@ -149,6 +167,7 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
             for key, value in extra.items():
                 f.create_dataset(key, data=_storable(value))
             f.attrs.update(attributes)
+            f.attrs[OUTPUTS] = np.array(names, dtype=h5py.string_dtype())
             f.attrs[PROGRESS] = np.int64(0)
         reserve(temporary)
 
@@ -218,6 +237,7 @@ def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
     try:
         ours = MODEL in f.attrs and (PROGRESS in f.attrs or isinstance(f.get(PROGRESS), h5py.Dataset))
         written = {key: f.attrs.get(key) for key in attributes}
+        done = rows_done(f) if ours else 0
     except OSError as error:
         raise _damaged(path) from error
     if not ours:
@@ -233,11 +253,45 @@ def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
                 f"parallel_predict() will not add to results of a different {what}. Delete the file or choose another. "
                 f"Received: output={path!r}"
             )
+    if not 0 <= done <= written.get("kerasmulti_rows", done):
+        raise _damaged(path, f"its row counter, {done}, is out of range")  # no write of ours leaves it
 
 
-def _damaged(path: str) -> ValueError:
+def resumed_names(f: h5py.File, path: str, names: list, extra: dict) -> list:
+    """The output datasets a resumed file holds, in the outputs' order; refuses another `extra` than its own.
+
+    The names the file was begun with: the same model rebuilt in one
+    process gets new layer names (`dense_1`), not new outputs.
+    """
+    if OUTPUTS in f.attrs:
+        names = [str(name) for name in f.attrs[OUTPUTS]]
+    missing = [name for name in names if not isinstance(f.get(name), h5py.Dataset)]
+    if missing:
+        raise _damaged(path, f"output '{missing[0]}' is missing")
+    for key, value in extra.items():
+        stored = f.get(key)
+        if not isinstance(stored, h5py.Dataset) or not _same(stored, value):
+            # Resumed, the file keeps the extra it began with: another would be dropped unseen.
+            begun = "another" if isinstance(stored, h5py.Dataset) else "no"
+            raise ValueError(
+                f"'{path}' was begun with {begun} extra '{key}'. Pass the same extra=, or delete the file. "
+                f"Received: extra={_keys(extra)}"
+            )
+    return names
+
+
+def _same(stored: h5py.Dataset, value) -> bool:
+    given = np.asarray(_storable(value))
+    kept = stored.asstr()[()] if h5py.check_string_dtype(stored.dtype) else stored[()]
+    if h5py.check_string_dtype(stored.dtype) or given.dtype.kind == "O":
+        given = np.asarray([v.decode() if isinstance(v, bytes) else v for v in given.ravel()], dtype=object)
+        kept = np.asarray(kept, dtype=object).ravel()
+    return np.shape(kept) == np.shape(given) and bool(np.all(kept == given))
+
+
+def _damaged(path: str, reason: str = "not a readable HDF5 file") -> ValueError:
     return ValueError(
-        f"'{path}' is damaged (not a readable HDF5 file), so parallel_predict() cannot resume it. "
+        f"'{path}' is damaged ({reason}), so parallel_predict() cannot resume it. "
         f"Delete or move it to start over. Received: output={path!r}"
     )
 

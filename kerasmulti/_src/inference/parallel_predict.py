@@ -240,12 +240,16 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
     sample = source.sample()
     outputs = predict(sample)
     names = _output_names(template, outputs)
-    spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype)) for o in tree.flatten(outputs)]
+    spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype, name))
+            for o, name in zip(tree.flatten(outputs), names)]
     _check_row_shapes(template, source, sample, names, spec, output)
     _output_file.check_extra_names(extra, names)
-    if _output_file.absent(output):
+    resumed = not _output_file.absent(output)
+    if not resumed:
         _output_file.create(output, source.rows, spec, names, attributes, extra)
     with _output_file.open_existing(output, attributes) as f:
+        if resumed:
+            names = _output_file.resumed_names(f, output, names, extra)
         done = _output_file.rows_done(f)
         for batch, (begin, end) in _predicted_batches(predict, source, done, batch_size, verbose):
             values = [np.asarray(v) for v in tree.flatten(batch)]

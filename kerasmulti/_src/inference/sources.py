@@ -16,6 +16,7 @@ import collections.abc
 import hashlib
 from typing import Iterator
 
+import h5py
 import keras
 import numpy as np
 import tensorflow as tf
@@ -331,6 +332,12 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
             f"or a PyDataset (docs/inference.md). Received: data={type(data).__name__}"
         )
     leaves = tree.flatten(data)
+    for leaf in leaves:
+        if isinstance(leaf, h5py.Dataset) and not leaf.id.valid:
+            raise ValueError(
+                "parallel_predict() got an h5py.Dataset whose file is closed. Keep the file open while it "
+                f"runs. Received: data={leaf!r}"
+            )
     arrays = [hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves]
     if not leaves or not all(arrays):
         nested = leaves and isinstance(data, (list, tuple, dict))
