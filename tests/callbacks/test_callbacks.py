@@ -123,6 +123,76 @@ def test_keras2_form_saves_another_model_as_it_is(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), body.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+class _NoConfig(keras.Model):
+    """A subclassed model Keras cannot write whole: an argument it cannot serialise leaves it without get_config()."""
+
+    def __init__(self, body, extra):
+        super().__init__(name="no_config")  # Keras' default, "__no_config", is no valid name scope
+        self.body, self.head, self.extra = body, keras.layers.Dense(1), extra
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+
+def test_keras2_form_saves_a_functional_sub_model_of_a_model_without_get_config(tmp_path):
+    # Only the model saved must be writable whole: here the sub-model, not the model trained.
+    keras.utils.set_random_seed(0)
+    body = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4)], name="body")
+    trained = _NoConfig(body, extra=object())
+    trained(np.zeros((1, 5), "float32"))
+    with pytest.raises(NotImplementedError):
+        trained.get_config()
+    parallel = kerasmulti.parallelize(trained, gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    x, y = np.random.default_rng().normal(size=(2, 12, 5)).astype("float32")
+    path = str(tmp_path / "body.keras")
+    parallel.fit(x, y[:, :1], epochs=2, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(body, path, monitor="loss")])
+    loaded = keras.models.load_model(path)
+    assert loaded.name == "body"
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), body.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"cannot save the whole 'no_config': its class has no get_config\(\)"):  # the model trained, whole
+        parallel.fit(x, y[:, :1], epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(str(tmp_path / "all.keras"))])
+
+
+def _optimizer_values(optimizer):
+    return [np.asarray(v) for v in optimizer.variables]
+
+
+def test_two_parallel_models_of_one_template_each_save_their_own_compile(tmp_path):
+    # p2.compile recompiles the shared template: p1's files still hold what p1 trains with, Adam and mse.
+    model, p1, x, y = _setup()
+    p2 = kerasmulti.parallelize(model, gpus=DEVICES)
+    p2.compile(optimizer=keras.optimizers.SGD(0.01), loss="mae")
+    model.evaluate(x, y, verbose=0)  # the template's own traced step, which must outlive the saves
+    sgd, config, step = model.optimizer, model.get_compile_config(), model.test_function
+    path = str(tmp_path / "p1.keras")
+    with pytest.warns(UserWarning, match=r"compiled after the parallel model, directly or through another parallel model: this one trains and saves with its own compile;.*Received: template.optimizer=SGD$"):
+        p1.fit(x, y, epochs=2, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path, monitor="loss")])
+    p1.save(str(tmp_path / "saved.keras"))
+    for name in ("p1.keras", "saved.keras"):
+        loaded = keras.models.load_model(str(tmp_path / name))
+        assert isinstance(loaded.optimizer, keras.optimizers.Adam) and loaded.loss == "mse"
+        assert int(loaded.optimizer.iterations) == int(p1.optimizer.iterations) > 0
+        for a, b in zip(_optimizer_values(loaded.optimizer), _optimizer_values(p1.optimizer)):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    p2.save(str(tmp_path / "p2.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "p2.keras"))
+    assert isinstance(loaded.optimizer, keras.optimizers.SGD) and loaded.loss == "mae"
+    # Weights files and load_weights (what backups use) are p1's too; the template is left as p2 compiled it.
+    weights = str(tmp_path / "p1.weights.h5")
+    p1.save_weights(weights)
+    adam = _optimizer_values(p1.optimizer)
+    p1.fit(x, y, epochs=1, verbose=0)
+    p1.load_weights(weights)
+    for a, b in zip(_optimizer_values(p1.optimizer), adam):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert model.optimizer is sgd and model.loss == "mae" and model.get_compile_config() == config
+    assert model.test_function is step is not None and int(sgd.iterations) == 0
+    model.fit(x, y, epochs=1, verbose=0)
+    assert int(sgd.iterations) > 0
+
+
 def test_the_signature_is_model_checkpoints():
     def described(cls):
         return [(p.name, p.default, p.kind) for p in inspect.signature(cls).parameters.values()]
@@ -256,10 +326,35 @@ def test_unknown_monitored_metric_is_refused_after_the_first_batch(tmp_path, val
     # Without validation data the names offered had val_ names, which would fail again.
     _, parallel, x, y = _setup()
     checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "m.keras"), monitor="val_acuracy", save_best_only=True)
-    offered = "['loss', 'mae', 'val_loss', 'val_mae']" if validation else "['loss', 'mae']"
-    error = pytest.raises(ValueError, match=rf"does not report\. Pass one of {re.escape(offered)}\. Received: monitor='val_acuracy'")
+    offered = "'val_mae', 'val_loss', 'mae', ..." if validation else "'mae', 'loss'"
+    error = pytest.raises(
+        ValueError, match=rf"not a metric this model reports \({re.escape(offered)}\)\. Name one.*Received: monitor='val_acuracy'"
+    )
     fit = dict(validation_data=(x, y)) if validation else {}
     assert _batches_before(error, parallel, x, y, checkpoint, **fit) == (1, 0)
+
+
+def test_a_monitor_another_callback_adds_needs_an_explicit_mode_and_the_error_says_so(tmp_path):
+    class Score(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["val_f1"] = [0.5, 0.9, 0.7][epoch]
+
+    model, parallel, x, y = _setup()
+    path = str(tmp_path / "f1.keras")
+    checkpoint = kerasmulti.ParallelModelCheckpoint(path, monitor="val_f1", save_best_only=True)
+    error = pytest.raises(ValueError, match=r"\.\.\.\)\. Name one, or pass mode='min' or 'max' if a callback adds it\. Received: monitor='val_f1'$")
+    assert _batches_before(error, parallel, x, y, checkpoint, validation_data=(x, y)) == (1, 0)
+    best = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                best["predictions"] = model.predict(x, verbose=0)
+
+    checkpoint = kerasmulti.ParallelModelCheckpoint(path, monitor="val_f1", mode="max", save_best_only=True)
+    parallel.fit(x, y, epochs=3, verbose=0, validation_data=(x, y), callbacks=[Score(), checkpoint, Keep()])
+    assert checkpoint.best == 0.9
+    np.testing.assert_allclose(keras.models.load_model(path).predict(x, verbose=0), best["predictions"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name, save_freq, why", [
@@ -573,6 +668,72 @@ def test_only_this_hosts_dead_writers_temporaries_are_removed(tmp_path):
         open(path, "w").close()
     assert sorted(_atomic.remove_stale_temporaries(target)) == sorted([here, dashed])
     assert os.path.exists(elsewhere) and os.path.exists(running) and os.path.exists(hostless)
+
+
+def _dead_pid():
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()  # its pid names a writer that is gone
+    return finished.pid
+
+
+@pytest.mark.parametrize("name", ["x" * 249 + ".keras", "é" * 120 + ".keras", "w" * 244 + ".weights.h5"])
+def test_a_temporary_fits_the_file_systems_name_limit_and_is_still_recognised(tmp_path, name):
+    # 255 bytes, the common limit, for the longest name Keras can write; é takes 2 bytes.
+    from kerasmulti._src.utils import atomic as _atomic
+
+    assert len(os.fsencode(name)) <= 255
+    temporary = _atomic.temporary_path(str(tmp_path / name))
+    base = os.path.basename(temporary)
+    assert os.path.dirname(temporary) == str(tmp_path) and base.startswith("." + name[:100])
+    assert len(os.fsencode(base)) <= 255 and base.endswith(".weights.h5" if "weights" in name else ".keras")
+    stale = temporary.replace(f"{os.getpid()}@", f"{_dead_pid()}@")
+    open(stale, "w").close()
+    assert _atomic.remove_stale_temporaries(str(tmp_path / name)) == [stale]
+
+
+def test_a_checkpoint_with_the_longest_name_keras_writes_is_written(tmp_path):
+    model, parallel, x, y = _setup()
+    path = str(tmp_path / ("x" * 249 + ".keras"))
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path, monitor="loss")])
+    np.testing.assert_allclose(keras.models.load_model(path).predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    assert _no_temporaries(tmp_path)
+
+
+def test_a_link_is_written_through_as_keras_does(tmp_path):
+    # The file it names is replaced (atomically, beside itself); the link stays a link to it.
+    model, parallel, x, y = _setup()
+    (tmp_path / "real").mkdir()
+    real, link = str(tmp_path / "real" / "best.keras"), str(tmp_path / "best.keras")
+    parallel.save(real)
+    os.symlink(real, link)
+    stale = _atomic_temporary(real).replace(f"{os.getpid()}@", f"{_dead_pid()}@")  # a killed writer's, beside the file
+    open(stale, "w").close()
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(link, monitor="loss")])
+    assert os.path.islink(link) and os.readlink(link) == real
+    np.testing.assert_allclose(keras.models.load_model(real).predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    assert _no_temporaries(tmp_path) and _no_temporaries(tmp_path / "real")
+
+
+def _atomic_temporary(target):
+    from kerasmulti._src.utils import atomic as _atomic
+
+    return _atomic.temporary_path(target)
+
+
+def test_killed_writers_temporaries_in_folders_the_filepath_fills_in_are_removed_when_training_starts(tmp_path):
+    _, parallel, x, y = _setup()
+    dead = _dead_pid()
+    stale = []
+    for folder in ("1", "7"):  # 7: a folder this run does not write
+        (tmp_path / folder).mkdir()
+        stale.append(_atomic_temporary(str(tmp_path / folder / "m.keras")).replace(f"{os.getpid()}@", f"{dead}@"))
+        open(stale[-1], "w").close()
+    running = _atomic_temporary(str(tmp_path / "7" / "m.keras"))  # this process's: a write in flight
+    open(running, "w").close()
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(tmp_path / "{epoch}" / "m.keras"), monitor="loss")
+    parallel.fit(x, y, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert not any(os.path.exists(path) for path in stale) and os.path.exists(running)
+    keras.models.load_model(str(tmp_path / "1" / "m.keras"))
 
 
 class _PressesCtrlC:

@@ -170,13 +170,13 @@ def test_saved_file_keeps_compile_settings_and_optimizer_state(tmp_path):
 
 
 def test_a_template_compiled_again_after_the_parallel_model_is_warned_about_once(recwarn):
-    # The two would train and save apart: the parallel model's optimizer trains, the template's is saved.
+    # The two train apart: the parallel model trains and saves with its own compile, the template with its.
     model, parallel, x = _trained_parallel()
     y = np.zeros((20, 3), "float32")
     parallel.fit(x, y, verbose=0)  # compiled together: no warning
     assert not [w for w in recwarn if "compiled after the parallel model" in str(w.message)]
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mae")
-    with pytest.warns(UserWarning, match=r"template was compiled after the parallel model.*Compile the parallel model instead\. Received: template.optimizer=SGD$"):
+    with pytest.warns(UserWarning, match=r"template was compiled after the parallel model.*to change it, compile this one\. Received: template.optimizer=SGD$"):
         parallel.fit(x, y, verbose=0)
     recwarn.clear()
     parallel.evaluate(x, y, verbose=0)  # once

@@ -12,8 +12,11 @@ path checks at the bottom serve `backup_and_restore` too.
 
 from __future__ import annotations
 
+import difflib
+import glob
 import inspect
 import os
+import string
 
 import keras
 
@@ -63,7 +66,8 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
     without kerasmulti. Each save is written to a temporary file beside the
     target and renamed into place: a process killed at any moment leaves the
     previous checkpoint or the new one, never a torn file; temporaries left
-    by killed processes are removed when training starts. `callback.model`
+    by killed processes are removed when training starts. A `filepath` that
+    is a link is written through, as Keras does. `callback.model`
     is the model being trained, as in Keras.
 
     The Keras 2 form `ParallelModelCheckpoint(template_model, filepath, ...)`
@@ -176,10 +180,11 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
 
     def on_train_begin(self, logs=None):
         if _cluster.is_chief():  # another worker's temporary may be the chief's save in flight
-            _atomic.remove_stale_temporaries(self.filepath)
+            for folder in _folders(self.filepath):
+                _atomic.remove_stale_temporaries_in(folder)
         self._names_checked = False
         if not self.save_weights_only:
-            _check_serializable(unwrap(self.model))
+            _check_serializable(unwrap(self._saved))
         super().on_train_begin(logs)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -198,9 +203,11 @@ class ParallelModelCheckpoint(keras.callbacks.ModelCheckpoint, metaclass=_Templa
         # With an explicit mode, a metric another callback adds to the epoch
         # logs is legitimate; Keras warns at save time if it is missing.
         if self.save_best_only and self.mode == "auto" and self.monitor not in known:
+            near = ", ".join(repr(name) for name in difflib.get_close_matches(self.monitor, sorted(known), n=3, cutoff=0))
+            near += ", ..." if len(known) > 3 else ""
             raise ValueError(
-                f"ParallelModelCheckpoint's monitor is one this model does not report. Pass one of {sorted(known)}. "
-                f"Received: monitor={self.monitor!r}"
+                f"ParallelModelCheckpoint's monitor is not a metric this model reports ({near}). Name one, or pass "
+                f"mode='min' or 'max' if a callback adds it. Received: monitor={self.monitor!r}"
             )
         if self.save_freq != "epoch":  # filled in from the batch's logs, which have no val_ metrics
             self._check_fields(reported | {"batch", "epoch"}, "this model does not report")
@@ -276,6 +283,15 @@ def _fields(filepath: str) -> tuple[set, str]:
             f"Received: filepath={filepath!r}"
         ) from None
     return trial.names, path
+
+
+def _folders(filepath: str) -> set:
+    """The existing folders `filepath` fills in to, and those of the files there that are links."""
+    pattern = "".join(
+        glob.escape(text) + ("*" if field is not None else "") for text, field, _, _ in string.Formatter().parse(filepath)
+    )
+    folders = {os.path.realpath(folder) for folder in glob.glob(os.path.dirname(os.path.abspath(pattern)))}
+    return folders | {os.path.dirname(os.path.realpath(path)) for path in glob.glob(pattern) if os.path.islink(path)}
 
 
 def check_local(path, caller: str, name: str) -> None:

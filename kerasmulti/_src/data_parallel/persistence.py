@@ -9,6 +9,12 @@ of a model it does not consider built, which a model without `call` (a GAN)
 never is: once all its parts have weights it is marked built, so its
 checkpoints and backups are written and read as any model's.
 
+Files are written and read with this model's compile settings and optimizer,
+which the template holds (`compile` shares them), unless it was compiled again
+afterwards, by its user or by another parallel model of it: then the
+template's are swapped for this model's during the write or read, and put
+back as they were.
+
 Keras loads an optimizer's state only into an optimizer that has its
 variables, which it makes at the first step: loaded before it (a resume),
 the state is skipped with a warning. Loading weights fills them all: the
@@ -28,6 +34,7 @@ import h5py
 import keras
 import tensorflow as tf
 
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel.custom_steps import parts_built
 from kerasmulti._src.utils.arguments import check_readable_file, check_save_path
 
@@ -38,8 +45,8 @@ class TemplatePersistence:
     def save(self, filepath, *args, **kwargs):
         """Saves the template model (see `keras.Model.save`).
 
-        The template carries the parallel model's compile settings and
-        optimizer (see `compile`), so a `.keras` file holds them, as
+        The file holds the parallel model's compile settings and optimizer
+        (see `compile`, and the module docstring), as
         `ModelCheckpoint` on a compiled model would, and
         `keras.models.load_model` returns a model ready to evaluate or
         continue training. Legacy `.h5` files are written without them
@@ -51,24 +58,35 @@ class TemplatePersistence:
         if str(filepath).endswith(".h5"):
             kwargs.setdefault("include_optimizer", False)
         _built_once_parts_are(self._template)
-        return self._template.save(filepath, *args, **kwargs)
+        with self._compiled_as_this():
+            return self._template.save(filepath, *args, **kwargs)
 
     def save_weights(self, filepath, *args, **kwargs):
         """Saves the template's weights (see `keras.Model.save_weights`)."""
         check_save_path("save_weights", filepath)
         _built_once_parts_are(self._template)
-        return self._template.save_weights(filepath, *args, **kwargs)
+        with self._compiled_as_this():
+            return self._template.save_weights(filepath, *args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Loads weights into the template (see `keras.Model.load_weights`); a file that does not fit changes nothing."""
         check_readable_file(filepath, "weights", not_found=FileNotFoundError)
         _built_once_parts_are(self._template)
         template = self._template
-        with _unchanged_if_refused(template, filepath), optimizers_loaded(template, filepath, getattr(self, "_strategy", None)):
-            return template.load_weights(filepath, *args, **kwargs)
+        with self._compiled_as_this(), _unchanged_if_refused(template, filepath):
+            with optimizers_loaded(template, filepath, getattr(self, "_strategy", None)):
+                return template.load_weights(filepath, *args, **kwargs)
 
     def get_config(self):
         return self._template.get_config()
+
+    def _compiled_as_this(self):
+        """Inside: the template has this model's compile settings and optimizer (see the module docstring)."""
+        template = self._template
+        # A template with steps of its own trains with its own compile; an uncompiled one has none to put back.
+        if self._custom is not None or not (self.compiled and template.compiled) or template.optimizer is self.optimizer:
+            return contextlib.nullcontext()
+        return _compiled_as(template, dict(keras_private.compile_arguments(self), optimizer=self.optimizer))
 
     def summary(self, *args, **kwargs):
         """Prints the template's summary, preceded by the replica devices."""
@@ -77,6 +95,22 @@ class TemplatePersistence:
             f"{', '.join(self._replica_devices)}; merge on {self._merge_device}."
         )
         return self._template.summary(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _compiled_as(template, arguments: dict):
+    """Inside: `template` compiled with `arguments`; after, its compile settings and optimizer as they were."""
+    found = dict(vars(template))
+    own = dict(keras_private.compile_arguments(template), optimizer=template.optimizer)
+    # auto_scale_loss=False: each optimizer is already as its model trains it (wrapped for mixed_float16 or not).
+    template.compile(**arguments, auto_scale_loss=False)
+    compiled = [name for name, value in found.items() if vars(template).get(name) is not value]
+    try:
+        yield
+    finally:
+        template.compile(**own, auto_scale_loss=False)  # what Keras tracks by name (its optimizer) as it was
+        # ... and the very objects the user's compile made (loss, metrics, traced steps), not new ones.
+        vars(template).update({name: found[name] for name in compiled})
 
 
 @contextlib.contextmanager

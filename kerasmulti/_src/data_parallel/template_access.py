@@ -145,15 +145,15 @@ _warned_apart: weakref.WeakSet = weakref.WeakSet()  # templates warned about, on
 
 
 def _warn_if_compiled_apart(model) -> None:
-    """Warns once where the template was compiled again after the parallel model: the two then train apart."""
+    """Warns once where the template was compiled after the parallel model (by its user or another parallel model)."""
     template = model._template
     optimizer = getattr(template, "optimizer", None)
     if optimizer is None or optimizer is model.optimizer or template in _warned_apart:
         return
     _warned_apart.add(template)
     warnings.warn(
-        "The template was compiled after the parallel model: training keeps the parallel model's compile, and "
-        "save() writes the template's. Compile the parallel model instead. "
+        "The template was compiled after the parallel model, directly or through another parallel model: this one "
+        "trains and saves with its own compile; to change it, compile this one. "
         f"Received: template.optimizer={type(optimizer).__name__}",
         stacklevel=4,
     )

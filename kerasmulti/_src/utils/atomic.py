@@ -2,7 +2,9 @@
 
 The file is written under a temporary name beside the target (same folder, so
 the same file system), flushed to disk, and renamed over the target with
-`os.replace`, which POSIX and Windows make atomic. A process killed before the
+`os.replace`, which POSIX and Windows make atomic. A target that is a link is
+written through: the temporary goes beside the file it names, which the rename
+replaces, and the link stays. A process killed before the
 rename leaves only a temporary behind; `remove_stale_temporaries` clears those
 whose writer is gone. A write that fails (a full disk, a read-only or vanished
 folder) leaves the target as it was and raises an `OSError` that says so,
@@ -27,6 +29,7 @@ import threading
 import uuid
 
 _MARK = ".kerasmulti-tmp-"
+_NAME_MAX = 255  # bytes in a file name on ext4, XFS, btrfs, APFS and NTFS
 
 
 def _suffix(path: str) -> str:
@@ -39,9 +42,11 @@ def _suffix(path: str) -> str:
 
 def temporary_path(target: str) -> str:
     folder, name = os.path.split(os.path.abspath(target))
-    suffix = _suffix(name)
     # The writer's pid and host: a folder may be shared by several machines.
-    return os.path.join(folder, f".{name}{_MARK}{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}{suffix}")
+    writer = f"{_MARK}{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}{_suffix(name)}"
+    # Any name Keras can write gets a temporary that fits too: the target's name is cut short to fit.
+    room = _NAME_MAX - 1 - len(os.fsencode(writer))
+    return os.path.join(folder, "." + os.fsencode(name)[:room].decode("utf-8", "ignore") + writer)
 
 
 def _fsync(path: str) -> None:
@@ -59,7 +64,8 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
     `OSError` comes back as one that says so, in `caller`'s name, ending with
     `then` (what the user can do next) and `Received: {received}`.
     """
-    temporary = temporary_path(target)
+    real = os.path.realpath(target)  # a link is written through, as Keras does: the rename replaces the file it names
+    temporary = temporary_path(real)
     try:
         os.makedirs(os.path.dirname(temporary), exist_ok=True)
     except OSError as error:  # EEXIST here: a file where a folder of the path should be
@@ -69,7 +75,7 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
         with _ctrl_c_held():
             save(temporary)
             _fsync(temporary)
-            os.replace(temporary, target)
+            os.replace(temporary, real)
     except BaseException as error:
         try:
             if os.path.exists(temporary):
@@ -80,7 +86,7 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
             raise _failed(error, temporary, target, caller, received, then) from error
         raise
     try:
-        _fsync(os.path.dirname(os.path.abspath(target)))
+        _fsync(os.path.dirname(real))
     except OSError:  # some file systems cannot sync a folder; the rename stands
         pass
 
@@ -158,8 +164,12 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(target: str) -> list[str]:
-    """Deletes temporaries of `target` left by processes of this host that no longer run."""
-    folder = os.path.dirname(os.path.abspath(target))
+    """Deletes temporaries of `target` (beside the file a link names) left by processes of this host that no longer run."""
+    return remove_stale_temporaries_in(os.path.dirname(os.path.realpath(target)))
+
+
+def remove_stale_temporaries_in(folder: str) -> list[str]:
+    """Deletes the temporaries in `folder` left by processes of this host that no longer run."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(folder), f".*{_MARK}*")):
         name = os.path.basename(path)
