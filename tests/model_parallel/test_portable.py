@@ -91,7 +91,9 @@ print(sorted({type(layer).__module__.split(".")[0] for layer in model._flatten_l
 def test_an_h5_file_of_a_placed_model_loads_with_kerasmulti_load_model_in_a_fresh_process(tmp_path, rng):
     model, x, _ = _trained(rng)
     path, data = tmp_path / "placed.h5", tmp_path / "x.npz"
-    model.save(path)  # legacy HDF5: the file holds the OnDevice layers
+    # legacy HDF5: the file holds the OnDevice layers. Without the optimizer: Keras cannot write the
+    # optimizer's slots of the two same-named "projection" layers (one path), placed or not.
+    model.save(path, include_optimizer=False)
     np.savez(data, x0=x[0], x1=x[1], y=model.predict(x, verbose=0))
     script = (
         "import sys, numpy as np, kerasmulti\n"

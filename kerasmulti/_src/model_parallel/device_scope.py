@@ -6,13 +6,16 @@ are replaced by versions that wrap the layer in an `OnDevice` layer for the
 innermost scope of the calling thread; the last scope to close puts Keras'
 own back. Only symbolic calls are wrapped (a model being built), and none
 while Keras rebuilds a model from its config, whose placement was saved
-with it.
+with it. A call on tensors (a subclassed model's `call()`, a `tf.function`)
+runs unplaced, after one warning: its layer has no functional graph to hold
+a wrapper.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import keras
 
@@ -25,6 +28,7 @@ _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
 _installed = 0
 _install_lock = threading.Lock()
+_warned: list[str] = []
 
 
 def _is_symbolic(args, kwargs) -> bool:
@@ -33,12 +37,26 @@ def _is_symbolic(args, kwargs) -> bool:
 
 def _scoped_call(self, *args, **kwargs):
     device = _scopes.innermost()
-    # A model loaded (or cloned) inside a scope keeps the placement it was
-    # saved with: wrapping its layers again would rename them, and its
-    # weights would no longer match.
-    if device and not isinstance(self, OnDevice) and _is_symbolic(args, kwargs) and not keras_private.keras_is_deserialising(skip=2):
-        return placed(self, device)(*args, **kwargs)
+    if device and not isinstance(self, OnDevice):
+        if not _is_symbolic(args, kwargs):
+            _warn_unplaced(self)
+        # A model loaded (or cloned) inside a scope keeps the placement it was
+        # saved with: wrapping its layers again would rename them, and its
+        # weights would no longer match.
+        elif not keras_private.keras_is_deserialising(skip=2):
+            return placed(self, device)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
+
+
+def _warn_unplaced(layer) -> None:
+    """Once per process: a call on tensors (a subclassed model's `call()`, a `tf.function`) is not placed."""
+    if not _warned:
+        _warned.append(layer.name)
+        warnings.warn(
+            f"device_scope() places layers called on Keras inputs; '{layer.name}' got tensors and runs unplaced. "
+            f"Use kerasmulti.on_device in a subclassed model. Received: layer={layer.name!r}",
+            stacklevel=3,
+        )
 
 
 def _scoped_sequential_build(self, input_shape=None):
@@ -86,6 +104,9 @@ def device_scope(device: str):
     and runs each call on its own scope's device. A `Sequential` model built
     inside the block places its layers in its own layer list. Scopes nest;
     the innermost wins. Device names are checked like `parallelize`'s.
+    A layer called on tensors inside the block (in a subclassed model's
+    `call()`, or a `tf.function`) is not placed, after one warning: wrap it
+    with `on_device` in the model's `__init__` instead.
 
     Args:
         device: A TensorFlow device name, such as `"/gpu:1"` (or a simulated

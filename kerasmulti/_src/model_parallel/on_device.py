@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from kerasmulti._src.devices import _canonical, known_devices
-from kerasmulti._src.keras_private import get_keras_mask, global_state, set_keras_mask
+from kerasmulti._src.keras_private import get_keras_mask, global_state, inbound_nodes, keras_history, set_keras_mask
 from kerasmulti._src.model_parallel import scopes as _scopes
 
 _warned: set[str] = set()
@@ -40,15 +40,18 @@ _SHARING = "kerasmulti.OnDevice"
 class OnDevice(keras.layers.Layer):
     """Runs a layer (or sub-model) on one device; made by `on_device`.
 
-    Its weights are the wrapped layer's. `device` holds the canonical device
-    name; `remap_devices` changes it.
+    Its weights, dtype policy and name are the wrapped layer's, so a model's
+    `output_names` are those it has without placement; a layer already called
+    unplaced, or placed on another device, gets `<layer>_on_<device>`. It
+    casts nothing: the layer casts its inputs by its own policy. `device`
+    holds the canonical device name; `remap_devices` changes it.
 
     Example:
 
     ```python
     import keras, kerasmulti
     wrapped = kerasmulti.on_device(keras.layers.Dense(4), "/cpu:0")
-    print(wrapped.device)  # /device:CPU:0
+    print(wrapped.name, wrapped.device)  # the Dense layer's name, /device:CPU:0
     ```
     """
 
@@ -58,15 +61,22 @@ class OnDevice(keras.layers.Layer):
                 f"Layer '{layer.layer.name}' is placed on {layer.device} already. Place the layer itself, "
                 f"once per device. Received: layer={layer.name!r}"
             )
-        kwargs.setdefault("name", f"{layer.name}_on_{_short(device)}")
+        device = device if _validated else _canonical(device)
+        kwargs.setdefault("name", _free_name(layer, device))
+        # The layer casts its inputs by its own policy, as without the wrapper: a
+        # wrapper that casts (by the global policy) first would change its numbers.
+        kwargs.setdefault("autocast", False)
+        if layer.dtype_policy.quantization_mode is None:  # a quantized policy would make Keras call quantized_call
+            kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(**kwargs)
+        _live[id(self)] = self
         # The process has a placed layer now: `model.save` of a placed model
         # writes its plain twin from here on (not from `import kerasmulti`).
         from kerasmulti._src.model_parallel import portable
 
         portable.install()
         self.layer = layer
-        self.device = device if _validated else _canonical(device)
+        self.device = device
         parameters = getattr(layer, "call_signature_parameters", [])
         self._call_has_training = "training" in parameters
         self._call_has_mask = "mask" in parameters
@@ -141,6 +151,22 @@ class OnDevice(keras.layers.Layer):
 
 
 _wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # (id(layer), device): its wrapper
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(wrapper): every wrapper in use
+
+
+def _free_name(layer, device: str) -> str:
+    """The layer's own name for its wrapper, unless another call of the layer may hold it.
+
+    A functional model names its outputs after the layers that make them, so a
+    wrapper named as its layer keeps `output_names` (dict losses, history keys)
+    those of the model without placement. Keras refuses two layers of one name in
+    a model: a layer already called without a wrapper, or placed on another
+    device, gets `<layer>_on_<device>`.
+    """
+    # A call through a wrapper leaves the wrapper, not the layer, as its outputs' maker.
+    unplaced = any(_maker(tensor) is layer for node in inbound_nodes(layer) for tensor in node.outputs)
+    elsewhere = any(wrapper.layer is layer and wrapper.device != device for wrapper in list(_live.values()))
+    return f"{layer.name}_on_{_short(device)}" if unplaced or elsewhere else layer.name
 
 
 def placed(layer, device: str) -> OnDevice:
@@ -157,6 +183,14 @@ def placed(layer, device: str) -> OnDevice:
     if wrapper is None or wrapper.layer is not layer or wrapper.device != device:  # moved by `remap_devices`
         wrapper = _wrappers[key] = OnDevice(layer, device, _validated=True)
     return wrapper
+
+
+def _maker(tensor):
+    """The operation that made a symbolic tensor; None for one Keras keeps no history of (`record_history=False`)."""
+    try:
+        return keras_history(tensor).operation
+    except AttributeError:
+        return None
 
 
 def _layer_id(layer) -> tuple[int | None, bool]:

@@ -302,7 +302,8 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
     stages = {}  # one wrapper per layer: a layer called twice goes through it twice, as before
     for stage, (start, end) in enumerate(_balanced(len(devices), [_cost(layer) for layer in layers])):
         for layer in layers[start:end]:
-            stages[id(layer)] = OnDevice(layer, devices[stage], _validated=True)  # this cut's own
+            # This cut's own wrapper, named as its layer: the model's outputs keep their names.
+            stages[id(layer)] = OnDevice(layer, devices[stage], _validated=True, name=layer.name)
     # An operation that is not a layer (a keras.ops call, the mask Embedding adds) is not placed,
     # as in device_scope: TensorFlow chooses its device (docs/model-parallel.md).
     piped = rebuilt(model, lambda layer, node: stages.get(id(layer), layer))

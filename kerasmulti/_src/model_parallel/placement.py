@@ -16,7 +16,8 @@ import tensorflow as tf
 from kerasmulti._src import keras_private
 from kerasmulti._src.devices import _canonical, resolve_device
 from kerasmulti._src.inference import parallel_predict as _parallel_predict
-from kerasmulti._src.model_parallel.on_device import OnDevice
+from kerasmulti._src.model_parallel.on_device import OnDevice, placed
+from kerasmulti._src.model_parallel.pipeline import PipelineModel
 
 
 def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
@@ -52,7 +53,9 @@ def on_device(layer: keras.layers.Layer, device: str) -> OnDevice:
             "on_device() places a Keras layer or model; wrap functions in a Lambda layer. "
             f"Received: layer={type(layer).__name__}"
         )
-    return OnDevice(layer, resolve_device(device, "on_device()"), _validated=True)
+    # One wrapper per layer and device, as device_scope's: a layer wrapped twice for one
+    # device is one layer called twice, where two wrappers of one name would be refused.
+    return placed(layer, resolve_device(device, "on_device()"))
 
 
 def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model:
@@ -78,8 +81,9 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
     Raises:
         TypeError: If `model` is not a `keras.Model`, `mapping` not a
             mapping, or a device name in it not a string.
-        ValueError: If an old device name is not a device name, or the
-            mapping names none of the devices the model's layers run on.
+        ValueError: If `model` comes from `pipeline` (remap its template and
+            pipeline it again), an old device name is not a device name, or
+            the mapping names none of the devices the model's layers run on.
         DeviceError: If a new device does not exist on this machine.
 
     Example:
@@ -107,20 +111,25 @@ def remap_devices(model: keras.Model, mapping: Mapping[str, str]) -> keras.Model
             "remap_devices() takes a dict from old device names to new ones. "
             f"Received: mapping={mapping!r}"
         )
+    if isinstance(model, PipelineModel):  # its micro-batches and schedule are planned for its stages
+        raise ValueError(
+            "remap_devices() cannot move a pipeline's stages. Remap its template, "
+            f"kerasmulti.unwrap(model), then call pipeline() again. Received: model={model.name!r}"
+        )
     moves = {_old_device(old): resolve_device(new, "remap_devices()") for old, new in mapping.items()}
-    placed = [layer for layer in keras_private.flatten_layers(model, include_self=False) if isinstance(layer, OnDevice)]
-    if not placed:
+    wrappers = [layer for layer in keras_private.flatten_layers(model, include_self=False) if isinstance(layer, OnDevice)]
+    if not wrappers:
         raise ValueError(
             "remap_devices() found no placed layer in the model; keras.models.load_model drops placement, "
             f"kerasmulti.load_model keeps it. Received: mapping={mapping!r}"
         )
-    if not any(layer.device in moves for layer in placed):
-        on = ", ".join(sorted({layer.device for layer in placed}))
+    if not any(layer.device in moves for layer in wrappers):
+        on = ", ".join(sorted({layer.device for layer in wrappers}))
         raise ValueError(
             f"remap_devices() found no layer to move: the model's placed layers run on {on}. "
             f"Map those devices. Received: mapping={mapping!r}"
         )
-    for layer in placed:
+    for layer in wrappers:
         if layer.device in moves:
             layer.device = moves[layer.device]
     # Traced steps keep the old devices: fit/evaluate/predict's, and

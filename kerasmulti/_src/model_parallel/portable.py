@@ -43,6 +43,7 @@ from kerasmulti._src.model_parallel.rebuild import REBUILDABLE, own_calls, rebui
 from kerasmulti._src.utils.arguments import check_readable_file
 
 RECORD = "kerasmulti_devices"
+NAMES = "kerasmulti_names"  # each placed call's wrapper name, beside RECORD; absent from older files
 _original_save = saving_lib.save_model
 _original_load_weights = saving_lib.load_weights_only
 # model -> (its layers when the twin was made, the twin): saving again (each
@@ -85,7 +86,7 @@ def strip_placement(model: keras.Model) -> keras.Model:
         hidden = keras.layers.Dense(8, name="hidden")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
     plain = kerasmulti.strip_placement(model)
-    print([layer.name for layer in plain.layers])  # no 'hidden_on_cpu1'
+    print([type(layer).__name__ for layer in plain.layers])  # no 'OnDevice'
     x = np.ones((2, 4), "float32")
     assert np.allclose(plain.predict(x), model.predict(x))
     ```
@@ -236,6 +237,7 @@ def _recorded(config: dict, model, wrappers: dict) -> dict:
         calls = wrappers.get(id(layer), [])
         if any(calls):
             entry[RECORD] = [wrapper.device if wrapper else None for wrapper in calls]
+            entry[NAMES] = [wrapper.name if wrapper else None for wrapper in calls]
     return config
 
 
@@ -266,16 +268,30 @@ def _placed_again(model, config: dict, done: dict):
         devices = entry.get(RECORD)
         if not devices:
             return target
-        device = devices[0 if sequential else own_calls(model, layer).index(node)]
+        call = 0 if sequential else own_calls(model, layer).index(node)
+        device = devices[call]
         if not device:
             return target
         # One wrapper per layer and device in this load (a layer called twice there goes through it twice).
         key = ("wrapper", id(target), device)
         if key not in done:
-            done[key] = OnDevice(target, device, _validated=True)
+            done[key] = OnDevice(target, device, _validated=True, **_saved_name(entry, call, target, devices))
         return done[key]
 
     return rebuilt(model, choose)
+
+
+def _saved_name(entry: dict, call: int, layer, devices: list) -> dict:
+    """The name the wrapper of a saved call had, as `OnDevice`'s `name` argument.
+
+    A file from before names were recorded: the layer's name where all its
+    calls ran on one device (so the model's outputs keep their names), else
+    `OnDevice`'s default, `<layer>_on_<device>`.
+    """
+    names = entry.get(NAMES)
+    if names:
+        return {"name": names[call]}
+    return {"name": layer.name} if len(set(devices)) == 1 else {}
 
 
 def _records_inside(config) -> bool:
