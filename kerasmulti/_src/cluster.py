@@ -369,7 +369,7 @@ def lost_workers_explained(what: str):
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
         # The others cannot go on without its part of every step.
         raise ClusterError(
-            f"Multi-worker {what} stopped: a worker is gone (killed, crashed or unreachable). Start "
+            f"Multi-worker {what} stopped: a worker is gone (killed, crashed, unreachable, or its script ended). Start "
             "the whole job again; ParallelBackupAndRestore resumes it. "
             f"Received: error={type(error).__name__}({_cause(error)!r})"
         ) from error

@@ -76,16 +76,29 @@ def test_a_failing_workers_traceback_shows_once_the_others_one_line_each_and_the
     ]
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="the worker reads /proc to see the other one ended")
+def test_a_failure_after_another_worker_ended_says_so(tmp_path):
+    # A script that skips fit on one worker: the others fail in the step that waits for it.
+    ended = str(tmp_path / "ended")
+    result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "end-1-then-fail-0", ended)
+    assert result.returncode == 1
+    assert ("kerasmulti launch: worker 0 failed with exit code 1 (worker 1 had ended with code 0 before it); "
+            "stopped the others.") in result.stdout, result.stdout
+
+
 def test_a_cluster_that_keeps_failing_is_restarted_max_restarts_times_then_fails():
     result = _kerasmulti("--workers", "2", "--max-restarts", "2", os.path.join(WORKERS, "cluster_info.py"), "fail-1")
     assert result.returncode == 3
     restarts = [line for line in result.stdout.splitlines() if "Starting all 2 workers again" in line]
-    assert restarts == [
-        f"kerasmulti launch: worker 1 failed with exit code 3; stopped the others. Starting all 2 workers again "
-        f"(restart {n} of 2): they resume from their last backup." for n in (1, 2)
-    ]
+    # Worker 0 prints and ends (code 0) before worker 1 fails, or as it does.
+    ended = r"( \(worker 0 had ended with code 0 before it\))?"
+    assert len(restarts) == 2 and all(
+        re.fullmatch(rf"kerasmulti launch: worker 1 failed with exit code 3{ended}; stopped the others\. Starting all 2 "
+                     rf"workers again \(restart {n} of 2\): they resume from their last backup\.", line)
+        for n, line in zip((1, 2), restarts)
+    ), restarts
     assert result.stdout.count("[worker 1] index=1") == 3  # started 3 times in all (it prints, then fails)
-    assert "worker 1 failed with exit code 3; stopped the others. If the script" in result.stdout
+    assert re.search(rf"worker 1 failed with exit code 3{ended}; stopped the others\. If the script", result.stdout)
 
 
 def test_a_worker_killed_by_a_signal_exits_as_a_shell_would():

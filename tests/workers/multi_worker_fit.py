@@ -7,7 +7,7 @@ saves OUT/reference.npz. Phases:
 
 - arrays: a BatchNormalization model on numpy arrays, 21 rows in batches of 4
   (the last global batch has one row, so one replica gets none); fit, evaluate,
-  predict. Each worker builds its model with its own seed: the chief's weights
+  predict, and the logs callbacks get after each batch. Each worker builds its model with its own seed: the chief's weights
   win.
 - dataset: the same through a tf.data.Dataset batched globally, the template
   compiled before parallelize (the parallel model is compiled at once).
@@ -70,15 +70,29 @@ def save(phase, template, **values):
 rng = np.random.default_rng(7)
 x, y = rng.normal(size=(21, 4)).astype("float32"), rng.normal(size=(21, 1)).astype("float32")
 
+class BatchLogs(keras.callbacks.Callback):
+    """The logs callbacks get after each batch: the batches so far, on every worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append([logs["loss"], logs["mae"]])
+
+    on_test_batch_end = on_train_batch_end
+
+
 # arrays
 template = model(seed=0 if reference else index)
 target = trainable(template)
-history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0).history
-evaluation = target.evaluate(x, y, batch_size=4, verbose=0)
+fit_logs, evaluate_logs = BatchLogs(), BatchLogs()  # the last batch of 4 has 1 row: one replica gets none
+history = target.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[fit_logs]).history
+evaluation = target.evaluate(x, y, batch_size=4, verbose=0, callbacks=[evaluate_logs])
 prediction = target.predict(x, batch_size=4, verbose=0)
 on_batch = target.predict_on_batch(x[:5])  # Keras' across workers: every row once per worker
 save("arrays", template, loss=history["loss"], mae=history["mae"], evaluation=evaluation, prediction=prediction,
-     on_batch=on_batch)
+     on_batch=on_batch, fit_batch_logs=fit_logs.logs, evaluate_batch_logs=evaluate_logs.logs)
 
 # dataset, on a template compiled before parallelize (as one loaded from a .keras file)
 template = model(seed=0, batchnorm=False)

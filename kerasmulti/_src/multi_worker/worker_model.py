@@ -241,7 +241,7 @@ class WorkerModel(ParallelModel):
                 _worker_steps.apply_summed(self.optimizer, self.optimizer.apply, gradients, trainable)
         if self._timing is not None:
             self._timing.record(started, computed, self._updated_weights(), _worker_steps.replica_rows(x))
-        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        return self._logs(x, y, y_pred, sample_weight)
 
     def _new_timing(self):
         strategy = self._strategy
@@ -253,7 +253,13 @@ class WorkerModel(ParallelModel):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self(x, training=False)
         self._replica_loss(x, y, y_pred, sample_weight, training=False)
-        return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        return self._logs(x, y, y_pred, sample_weight)
+
+    def _logs(self, x, y, y_pred, sample_weight):
+        # The whole batch's on every replica: Keras averages the replicas'
+        # logs, which for their own running results is not the batch's.
+        with _worker_steps.whole_batch_results(self.metrics):
+            return _with_leading_axis(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
 
     def _replica_loss(self, x, y, y_pred, sample_weight, training):
         """This replica's part of the global batch's loss, recorded as Keras' steps do."""

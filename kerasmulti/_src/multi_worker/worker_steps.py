@@ -113,6 +113,12 @@ def keras_step(template, batchnorm: list):
     return _for_the_worker(("keras step", id(template)), lambda: _entered(_synchronized_batchnorm(batchnorm), _replica_seeds(template)))
 
 
+def whole_batch_results(metrics: list):
+    """Inside Keras' own step on a replica: `metrics`' results are the cluster's, so the step's logs are the batch's."""
+    patches = lambda: _patching.patched([(m, "result", _cluster_result(m, m.result)) for m in metrics])  # noqa: E731
+    return _for_the_worker(("results", *map(id, metrics)), patches)
+
+
 def predicting(template, compiled: bool):
     """Inside the template's own `predict_step` on a replica: its seeds, and with `compiled` its model calls compiled."""
     return _for_the_worker(("predict", id(template)), lambda: _entered(_replica_seeds(template), _compiled_calls_of(template, compiled)))
