@@ -32,6 +32,26 @@ def test_stateful_rnn_is_refused_naming_the_layer():
         kerasmulti.parallelize(model, gpus=2)
 
 
+def test_a_stateful_rnn_on_one_device_trains_as_without_parallelize():
+    # One device splits nothing: the error's "or one device" holds.
+    def model():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((4, 2), batch_size=6), keras.layers.LSTM(3, stateful=True), keras.layers.Dense(1)])
+
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(18, 4, 2)).astype("float32"), rng.normal(size=(18, 1)).astype("float32")
+    plain, template = model(), model()
+    plain.compile(optimizer="sgd", loss="mse")
+    parallel = kerasmulti.parallelize(template, gpus=1)
+    parallel.compile(optimizer="sgd", loss="mse")
+    expected = plain.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(parallel.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0).history["loss"], expected, rtol=1e-6)
+    for a, b in zip(template.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(kerasmulti.parallel_predict(template, x, gpus=1, batch_size=6, verbose=0),
+                               plain.predict(x, batch_size=6, verbose=0), rtol=1e-6, atol=1e-7)
+
+
 def test_batch_renormalization_is_refused():
     model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(renorm=True, name="bn")])
     with pytest.raises(ValueError, match=r"renormalisation \(layer 'bn'\).*Received: layer='bn' with renorm=True"):

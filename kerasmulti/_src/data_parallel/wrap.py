@@ -61,8 +61,8 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     """`parallelize` on this process's devices, also inside a cluster."""
     if isinstance(model, ParallelModel):
         model = model._template
-    check_model(model)
     replica_devices = _devices.resolve_devices(gpus, devices)
+    check_model(model, replicas=len(replica_devices))
     proportions = _balance.resolve(split, replica_devices)
     if len(replica_devices) == 1:
         proportions = None  # nothing to share
@@ -78,7 +78,8 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
     return parallel
 
 
-def check_model(model, caller: str = "parallelize()") -> None:
+def check_model(model, caller: str = "parallelize()", replicas: int = 2) -> None:
+    """Refuses what cannot be parallelized; on one device (`replicas=1`) a model whose rows cannot be split is fine."""
     if isinstance(model, ParallelModel):
         model = model._template
     if not isinstance(model, keras.Model):
@@ -89,7 +90,8 @@ def check_model(model, caller: str = "parallelize()") -> None:
     if not model.built and _custom_steps.overridden(model) and _custom_steps.parts_built(model):
         # A GAN holding a generator and a discriminator has no call, a
         # distiller is built at its first step: their parts have weights.
-        _refuse_unsplittable(model, caller)
+        if replicas > 1:
+            _refuse_unsplittable(model, caller)
         return
     if not model.built:
         raise ValueError(
@@ -97,7 +99,8 @@ def check_model(model, caller: str = "parallelize()") -> None:
             f"Received: model={model.name!r} with built=False"
         )
     _build_layers(model, caller)
-    _refuse_unsplittable(model, caller)
+    if replicas > 1:
+        _refuse_unsplittable(model, caller)
 
 
 def _build_layers(model, caller: str) -> None:

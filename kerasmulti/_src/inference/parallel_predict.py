@@ -310,9 +310,9 @@ def _parallel_of(model, gpus, devices) -> LocalParallelModel:
     quantized model). Like `model.predict`'s, its step is traced once: Python
     state that the model's `call` reads is taken as it was then.
     """
-    check_model(model)  # the errors parallelize() gives, in its order
     # In a cluster too, inference runs on this worker's devices alone.
     key = tuple(resolve_devices(gpus, devices, caller="parallel_predict()"))
+    check_model(model, replicas=len(key))  # the errors parallelize() gives, in its order
     # Only outside an autocast scope (as here) is `value` the variable itself.
     built_on = [*keras_private.flatten_layers(model, include_self=False), *(v.value for v in model.variables)]
     cache = model.__dict__.setdefault(_CACHE, {})
