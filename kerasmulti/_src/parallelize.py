@@ -93,9 +93,10 @@ def parallelize(
     Raises:
         TypeError: If `model` is not a `keras.Model`, or `cpu_merge` or
             `cpu_relocation` is not a bool.
-        ValueError: If the model is not built, holds a stateful RNN, or the
-            devices requested do not exist (a `DeviceError`, listing the
-            available devices); for a model from `pipeline` (not built yet).
+        ValueError: If the model is not built, holds a stateful RNN (on two
+            or more devices), or the devices requested do not exist (a
+            `DeviceError`, listing the available devices); for a model from
+            `pipeline` (not built yet).
         RuntimeError: In a cluster, if joining it failed (a `ClusterError`
             saying why, e.g. TensorFlow ran before `import kerasmulti`).
 

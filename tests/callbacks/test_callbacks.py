@@ -703,15 +703,29 @@ def test_a_link_is_written_through_as_keras_does(tmp_path):
     # The file it names is replaced (atomically, beside itself); the link stays a link to it.
     model, parallel, x, y = _setup()
     (tmp_path / "real").mkdir()
-    real, link = str(tmp_path / "real" / "best.keras"), str(tmp_path / "best.keras")
-    parallel.save(real)
+    # The file named may have no suffix (a content-addressed store's): Keras picks the format from the link's name.
+    real, link = str(tmp_path / "real" / "blob"), str(tmp_path / "best.keras")
+    parallel.save(real + ".keras")
+    os.rename(real + ".keras", real)
     os.symlink(real, link)
     stale = _atomic_temporary(real).replace(f"{os.getpid()}@", f"{_dead_pid()}@")  # a killed writer's, beside the file
     open(stale, "w").close()
     parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(link, monitor="loss")])
     assert os.path.islink(link) and os.readlink(link) == real
-    np.testing.assert_allclose(keras.models.load_model(real).predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(keras.models.load_model(link).predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
     assert _no_temporaries(tmp_path) and _no_temporaries(tmp_path / "real")
+
+
+def test_a_loop_of_links_is_refused_and_left_as_it_is(tmp_path):
+    _, parallel, x, y = _setup()
+    first, second = tmp_path / "a.keras", tmp_path / "b.keras"
+    os.symlink(second, first)
+    os.symlink(first, second)
+    checkpoint = kerasmulti.ParallelModelCheckpoint(str(first), monitor="loss")
+    with pytest.raises(OSError, match=r"could not write '.*a\.keras' \(Too many levels of symbolic links\).*Received: "):
+        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[checkpoint])
+    assert os.readlink(first) == str(second) and os.readlink(second) == str(first)
+    assert sorted(os.listdir(tmp_path)) == ["a.keras", "b.keras"]
 
 
 def _atomic_temporary(target):

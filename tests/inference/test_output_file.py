@@ -220,6 +220,7 @@ def _unnamed(seed):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    hidden = hidden + keras.ops.abs(hidden)  # operations get names of their own too ("add_1")
     return keras.Model(inputs, [keras.layers.Dense(3)(hidden), keras.layers.Dense(1)(hidden)])
 
 
@@ -244,15 +245,17 @@ def test_a_resume_with_another_extra_is_refused_and_the_same_extra_resumes(tmp_p
     model, x = _model(), _data(12)
     path = tmp_path / "out.h5"
     names = np.array([f"row {i}" for i in range(12)])
+    scores = np.where(np.arange(12) % 3, np.linspace(0, 1, 12), np.nan)  # with missing values, the same again
     with pytest.raises(RuntimeError, match="the job died"):
-        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=1), output=path, extra={"names": names}, verbose=0)
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=1), output=path, extra={"names": names, "scores": scores}, verbose=0)
     for extra, begun in (({"names": names[::-1]}, "another"), ({"ids": np.arange(12)}, "no")):
         key = next(iter(extra))
         with pytest.raises(ValueError, match=rf"out\.h5' was begun with {begun} extra '{key}'\. Pass the same extra=, or delete the file\. Received: extra=\{{'{key}': \.\.\.\}}$"):
             kerasmulti.parallel_predict(model, _Crashing(x), output=path, extra=extra, verbose=0)
-    kerasmulti.parallel_predict(model, _Crashing(x), output=path, extra={"names": list(names)}, verbose=0)
+    kerasmulti.parallel_predict(model, _Crashing(x), output=path, extra={"names": list(names), "scores": scores.copy()}, verbose=0)
     with h5py.File(path, "r") as f:
-        assert list(f["names"].asstr()[:]) == list(names) and sorted(f) == ["features", "names", "score"]
+        assert list(f["names"].asstr()[:]) == list(names) and sorted(f) == ["features", "names", "score", "scores"]
+        np.testing.assert_array_equal(f["scores"][:], scores)
     _assert_file_holds(path, model, x)
 
 

@@ -5,6 +5,7 @@ import simulated  # noqa: F401  (first: 3 simulated devices before TensorFlow st
 import contextlib
 import importlib
 import json
+import warnings
 import zipfile
 
 import keras
@@ -226,3 +227,18 @@ def test_device_scope_inside_a_subclassed_models_call_warns_that_it_places_nothi
 
     with pytest.warns(UserWarning, match=r"'inner' got tensors and runs unplaced.*Received: layer='inner'$"):
         Net()(np.ones((2, 3), "float32"))
+
+
+def test_a_placed_model_run_inside_its_scope_is_not_warned_about(monkeypatch):
+    # Built, then called, fitted and predicted in the same block, as a notebook cell does: it is placed.
+    monkeypatch.setattr(importlib.import_module("kerasmulti._src.model_parallel.device_scope"), "_warned", [])
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    with kerasmulti.device_scope("/cpu:1"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(4)(inputs)))
+        model.compile(optimizer="sgd", loss="mse")
+        model(x)
+        model.fit(x, x[:, :2], verbose=0)
+        model.predict(x, verbose=0)
+    assert [type(layer).__name__ for layer in model.layers[1:]] == ["OnDevice", "OnDevice"]

@@ -82,7 +82,7 @@ def test_a_failure_after_another_worker_ended_says_so(tmp_path):
     ended = str(tmp_path / "ended")
     result = _kerasmulti("--workers", "2", os.path.join(WORKERS, "cluster_info.py"), "end-1-then-fail-0", ended)
     assert result.returncode == 1
-    assert ("kerasmulti launch: worker 0 failed with exit code 1 (worker 1 had ended with code 0 before it); "
+    assert ("kerasmulti launch: worker 0 failed with exit code 1 (worker 1 had already exited with code 0); "
             "stopped the others.") in result.stdout, result.stdout
 
 
@@ -91,7 +91,7 @@ def test_a_cluster_that_keeps_failing_is_restarted_max_restarts_times_then_fails
     assert result.returncode == 3
     restarts = [line for line in result.stdout.splitlines() if "Starting all 2 workers again" in line]
     # Worker 0 prints and ends (code 0) before worker 1 fails, or as it does.
-    ended = r"( \(worker 0 had ended with code 0 before it\))?"
+    ended = r"( \(worker 0 had already exited with code 0\))?"
     assert len(restarts) == 2 and all(
         re.fullmatch(rf"kerasmulti launch: worker 1 failed with exit code 3{ended}; stopped the others\. Starting all 2 "
                      rf"workers again \(restart {n} of 2\): they resume from their last backup\.", line)

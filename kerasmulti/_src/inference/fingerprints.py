@@ -39,10 +39,13 @@ def model_fingerprint(model) -> str:
     """Identifies a model by its architecture and weights, not by the names Keras made up for its layers.
 
     The same model built again in one process gets new names (`dense_1`):
-    each layer's name is replaced by its place in the model, and the weights
-    are taken in order.
+    each layer's and operation's name is replaced by its place in the model,
+    and the weights are taken in order.
     """
-    places = {layer.name: f"layer {i}" for i, layer in enumerate(keras_private.flatten_layers(model))}
+    places = {}  # every layer's, and every operation's of a functional model (`h + 1`: "add")
+    for layer in keras_private.flatten_layers(model):
+        for operation in [layer, *getattr(layer, "operations", [])]:
+            places.setdefault(operation.name, f"operation {len(places)}")
     try:
         # Without placement's `layer_id`s: they name layer objects of this
         # process, and a reloaded model must be the same model.

@@ -286,7 +286,9 @@ def _same(stored: h5py.Dataset, value) -> bool:
     if h5py.check_string_dtype(stored.dtype) or given.dtype.kind == "O":
         given = np.asarray([v.decode() if isinstance(v, bytes) else v for v in given.ravel()], dtype=object)
         kept = np.asarray(kept, dtype=object).ravel()
-    return np.shape(kept) == np.shape(given) and bool(np.all(kept == given))
+        return np.shape(kept) == np.shape(given) and bool(np.all(kept == given))
+    # Missing values (NaN) are the same in both.
+    return np.array_equal(kept, given, equal_nan=given.dtype.kind in "fc" and np.asarray(kept).dtype.kind in "fc")
 
 
 def _damaged(path: str, reason: str = "not a readable HDF5 file") -> ValueError:

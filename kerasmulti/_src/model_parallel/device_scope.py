@@ -39,13 +39,27 @@ def _scoped_call(self, *args, **kwargs):
     device = _scopes.innermost()
     if device and not isinstance(self, OnDevice):
         if not _is_symbolic(args, kwargs):
-            _warn_unplaced(self)
+            if _meant_to_place(self):
+                _warn_unplaced(self)
         # A model loaded (or cloned) inside a scope keeps the placement it was
         # saved with: wrapping its layers again would rename them, and its
         # weights would no longer match.
         elif not keras_private.keras_is_deserialising(skip=2):
             return placed(self, device)(*args, **kwargs)
     return _original_call(self, *args, **kwargs)
+
+
+def _meant_to_place(layer) -> bool:
+    """Whether a call on tensors inside a scope is one the scope was opened for.
+
+    Not a placed model run inside the block (fit, predict, a call), nor the
+    layers such a run calls: only a layer called on its own, or inside the
+    call that opened the scope (a subclassed model's `call()`).
+    """
+    outer = _scopes.calling()
+    if outer is None:
+        return not any(isinstance(inner, OnDevice) for inner in keras_private.flatten_layers(layer))
+    return outer is _scopes.opened_in()
 
 
 def _warn_unplaced(layer) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from kerasmulti._src.keras_private import global_state
+
 _local = threading.local()
 
 
@@ -25,13 +27,26 @@ def innermost() -> str | None:
     return stack[-1] if stack else None
 
 
+def opened_in():
+    """The layer whose call was running when the innermost scope opened (a subclassed model's), or None."""
+    owners = getattr(_local, "owners", [])
+    return owners[-1] if owners else None
+
+
+def calling():
+    """The outermost layer whose call is running in this thread (Keras' call context), or None."""
+    return getattr(global_state.get_global_attribute("current_call_ctx"), "entry_layer", None)
+
+
 @contextlib.contextmanager
 def opened(device: str):
     _stack().append(device)
+    _local.owners = [*getattr(_local, "owners", []), calling()]
     try:
         yield
     finally:
         _stack().pop()
+        _local.owners = _local.owners[:-1]
 
 
 @contextlib.contextmanager

@@ -113,7 +113,7 @@ def _failure(processes, failed: int) -> str:
     cause = f" (killed by {_signal_name(-returncode)})" if returncode < 0 else ""
     # A worker whose script ended early leaves the others waiting for it in a step, which then fails.
     ended = [i for i, p in enumerate(processes) if p.returncode == 0]
-    cause += f" (worker {ended[0]} had ended with code 0 before it)" if ended else ""
+    cause += f" (worker {ended[0]} had already exited with code 0)" if ended else ""
     return f"worker {failed} failed with exit code {exit_code(returncode)}{cause}"
 
 

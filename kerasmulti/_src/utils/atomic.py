@@ -40,10 +40,11 @@ def _suffix(path: str) -> str:
     return os.path.splitext(path)[1]
 
 
-def temporary_path(target: str) -> str:
+def temporary_path(target: str, suffix: str | None = None) -> str:
+    """A temporary beside `target`, ending with `suffix` (by default the target's: Keras picks the format from it)."""
     folder, name = os.path.split(os.path.abspath(target))
     # The writer's pid and host: a folder may be shared by several machines.
-    writer = f"{_MARK}{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}{_suffix(name)}"
+    writer = f"{_MARK}{os.getpid()}@{socket.gethostname()}-{uuid.uuid4().hex[:8]}{_suffix(name) if suffix is None else suffix}"
     # Any name Keras can write gets a temporary that fits too: the target's name is cut short to fit.
     room = _NAME_MAX - 1 - len(os.fsencode(writer))
     return os.path.join(folder, "." + os.fsencode(name)[:room].decode("utf-8", "ignore") + writer)
@@ -64,8 +65,15 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
     `OSError` comes back as one that says so, in `caller`'s name, ending with
     `then` (what the user can do next) and `Received: {received}`.
     """
-    real = os.path.realpath(target)  # a link is written through, as Keras does: the rename replaces the file it names
-    temporary = temporary_path(real)
+    try:
+        # A link is written through, as Keras does: the rename replaces the file it names.
+        real = os.path.realpath(target, strict=True) if os.path.islink(target) else os.path.realpath(target)
+    except FileNotFoundError:  # a link to a file not made yet
+        real = os.path.realpath(target)
+    except OSError as error:  # a loop of links, which Keras cannot write either
+        raise _failed(error, target, target, caller, received, then) from error
+    # In the name the user gave: the file a link names may have no suffix, and Keras picks the format from it.
+    temporary = temporary_path(real, _suffix(os.path.basename(target)))
     try:
         os.makedirs(os.path.dirname(temporary), exist_ok=True)
     except OSError as error:  # EEXIST here: a file where a folder of the path should be
