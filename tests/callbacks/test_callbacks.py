@@ -541,7 +541,7 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
     path = tmp_path / "ckpt.keras"
     rng = random.Random()
     loaded = 0
-    for attempt in range(6):
+    for attempt in range(4):  # each a new process: a new random moment, ~15 s each
         process = _start_worker(tmp_path, 1000)
         _wait_for(process, "checkpointed")
         time.sleep(rng.uniform(0.0, 1.5))
@@ -552,7 +552,7 @@ def test_sigkill_at_random_moments_never_leaves_a_torn_checkpoint(tmp_path):
         if path.exists():
             keras.models.load_model(str(path))  # raises on a torn file
             loaded += 1
-    assert loaded == 6  # every kill came after a first checkpoint, which must survive it
+    assert loaded == 4  # every kill came after a first checkpoint, which must survive it
     process = _start_worker(tmp_path, 1)
     assert process.wait(timeout=180) == 0
     assert _no_temporaries(tmp_path), "stale temporaries were not cleaned up"
