@@ -39,7 +39,7 @@ def _scoped_call(self, *args, **kwargs):
     device = _scopes.innermost()
     if device and not isinstance(self, OnDevice):
         if not _is_symbolic(args, kwargs):
-            if _meant_to_place(self):
+            if not _warned and _meant_to_place(self):  # once: a model run eagerly in the block calls layers each step
                 _warn_unplaced(self)
         # A model loaded (or cloned) inside a scope keeps the placement it was
         # saved with: wrapping its layers again would rename them, and its
@@ -64,13 +64,12 @@ def _meant_to_place(layer) -> bool:
 
 def _warn_unplaced(layer) -> None:
     """Once per process: a call on tensors (a subclassed model's `call()`, a `tf.function`) is not placed."""
-    if not _warned:
-        _warned.append(layer.name)
-        warnings.warn(
-            f"device_scope() places layers called on Keras inputs; '{layer.name}' got tensors and runs unplaced. "
-            f"Use kerasmulti.on_device in a subclassed model. Received: layer={layer.name!r}",
-            stacklevel=3,
-        )
+    _warned.append(layer.name)
+    warnings.warn(
+        f"device_scope() places layers called on Keras inputs; '{layer.name}' got tensors and runs unplaced. "
+        f"Use kerasmulti.on_device in a subclassed model. Received: layer={layer.name!r}",
+        stacklevel=3,
+    )
 
 
 def _scoped_sequential_build(self, input_shape=None):
