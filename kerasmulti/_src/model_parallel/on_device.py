@@ -62,7 +62,8 @@ class OnDevice(keras.layers.Layer):
                 f"once per device. Received: layer={layer.name!r}"
             )
         device = device if _validated else _canonical(device)
-        kwargs.setdefault("name", _free_name(layer, device))
+        if "name" not in kwargs:  # a pipeline's cut and a reload name their wrappers themselves
+            kwargs["name"] = _free_name(layer, device)
         # The layer casts its inputs by its own policy, as without the wrapper: a
         # wrapper that casts (by the global policy) first would change its numbers.
         kwargs.setdefault("autocast", False)
