@@ -132,6 +132,10 @@ def test_the_tf_data_pipeline_walk_still_sees_repeat_and_take():
         pending.extend(_keras_private.dataset_inputs(dataset))
     assert kinds == ["_FilterDataset", "_TakeDataset", "_RepeatDataset", "_RangeDataset"]
     assert counts[1:3] == [3, -1]
+    # The other ops `feeding.endless` reads by name: a rename would refuse (or pass) pipelines unseen.
+    endless = tf.data.Dataset.range(4).repeat()
+    assert type(endless.take_while(lambda x: x < 2)).__name__ == "_TakeWhileDataset"
+    assert type(endless.concatenate(endless)).__name__ == "_ConcatenateDataset"
 
 
 def test_private_tensorflow_runtime_keeps_the_attributes_used():

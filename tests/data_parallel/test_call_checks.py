@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from cases import assert_same_logs, assert_same_weights
 
 import kerasmulti
 
@@ -256,3 +257,46 @@ def test_load_weights_refuses_damaged_and_foreign_files_keeping_the_weights(tmp_
     with pytest.raises(ValueError, match=r"do not fit this model's.*weights are unchanged.*skip_mismatch=True.*Received: filepath="):
         parallel.load_weights(str(tmp_path / "other.weights.h5"))
     assert all(np.array_equal(a, b) for a, b in zip(before, parallel.get_weights()))
+
+
+def _shop():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((4,))
+    outputs = {"price": keras.layers.Dense(1, name="dense_p")(inputs), "kind": keras.layers.Dense(2, name="dense_k")(inputs)}
+    return keras.Model(inputs, outputs, name="shop")
+
+
+def test_dict_outputs_take_targets_by_their_keys_not_their_layers_names():
+    # y keyed as the outputs ("price", "kind") was refused for want of "dense_k" and "dense_p", the layers' names.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 4)), {"price": rng.normal(size=(8, 1)), "kind": rng.normal(size=(8, 2))}
+    reference, template = _shop(), _shop()
+    parallel = kerasmulti.parallelize(template, gpus=simulated.DEVICES)
+    for model in (reference, parallel):
+        model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match=r"^fit\(\) got no target for output\(s\) \['kind'\].*Received: y keys=\['price'\]$"):
+        parallel.fit(x, {"price": y["price"]}, verbose=0)
+    np.testing.assert_allclose(parallel.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5)
+    np.testing.assert_allclose(parallel.test_on_batch(x, y), reference.test_on_batch(x, y), rtol=1e-5)
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    np.testing.assert_allclose(parallel.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0), rtol=1e-5)
+    assert_same_weights(reference, template)
+
+
+@pytest.mark.parametrize("method, whole", [("train_on_batch", "fit"), ("test_on_batch", "evaluate"), ("predict_on_batch", "predict")])
+def test_the_on_batch_calls_refuse_a_dataset_naming_the_call_that_reads_one(method, whole):
+    # A dataset failed in the split: "AttributeError: '_VariantDataset' object has no attribute 'shape'".
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 2)).astype("float32")
+    parallel = _parallel()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)
+    with pytest.raises(ValueError, match=rf"^{method}\(\) takes one batch of arrays, not a dataset.* to {whole}\(\)\. Received: x=_BatchDataset$"):
+        getattr(parallel, method)(data)
+    with pytest.raises(ValueError, match=rf"^{method}\(\) takes one batch .*Received: x=generator$"):
+        getattr(parallel, method)(batch for batch in data)
+    reference = keras.models.clone_model(kerasmulti.unwrap(parallel))
+    reference.set_weights(kerasmulti.unwrap(parallel).get_weights())
+    reference.compile("sgd", "mse")
+    batch = next(iter(data))[: 1 if method == "predict_on_batch" else 2]  # the dataset's batch, as tensors
+    np.testing.assert_allclose(getattr(parallel, method)(*batch), getattr(reference, method)(*batch), rtol=1e-5)

@@ -20,6 +20,7 @@ from cases import assert_same_logs, assert_same_weights
 from keras.src.trainers.data_adapters import array_data_adapter
 
 import kerasmulti
+from kerasmulti._src.data_parallel import epoch_order as _epoch_order
 from kerasmulti._src.data_parallel import feeding as _feeding
 
 
@@ -154,3 +155,56 @@ def test_endless_validation_data_without_validation_steps_is_refused():
     endless = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(4)
     with pytest.raises(ValueError, match=r"fit\(\) got a tf.data.Dataset as validation_data that never ends.*Received: validation_steps=None"):
         parallel.fit(x, x[:, :1], validation_data=endless, verbose=0)
+
+
+_FINITE_WITH_A_REPEAT = {
+    "zip-with-a-finite-input": lambda xs, ys: tf.data.Dataset.zip((xs.repeat().filter(lambda a: True), ys)),
+    "take_while": lambda xs, ys: tf.data.Dataset.zip((xs, ys)).repeat().enumerate().take_while(lambda i, e: i < 22).map(lambda i, e: e),
+    # TensorFlow counts this one INFINITE.
+    "sample_from_datasets-stop_on_empty": lambda xs, ys: tf.data.Dataset.sample_from_datasets(
+        [tf.data.Dataset.zip((xs, ys)).repeat(), tf.data.Dataset.zip((xs, ys))], seed=1, stop_on_empty_dataset=True
+    ),
+}
+
+
+@pytest.mark.parametrize("pipeline", list(_FINITE_WITH_A_REPEAT))
+def test_a_finite_pipeline_with_a_repeat_inside_trains_as_on_one_device(pipeline):
+    # Refused as "never ends" though Keras trains on it.
+    x, y = _data()
+
+    def make():
+        return _FINITE_WITH_A_REPEAT[pipeline](tf.data.Dataset.from_tensor_slices(x), tf.data.Dataset.from_tensor_slices(y)).batch(4)
+
+    reference, template = _model(), _model()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer="sgd", loss="mse")
+    fit = dict(epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(make(), **fit).history, parallel.fit(make(), **fit).history)
+    np.testing.assert_allclose(parallel.evaluate(make(), verbose=0), reference.evaluate(make(), verbose=0), rtol=1e-5)
+    assert_same_weights(reference, template)
+
+
+def _sparse_model(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,), sparse=True), keras.layers.Dense(2)])
+
+
+def test_sparse_x_in_a_backups_resumable_order_trains_as_one_device_on_that_order(tmp_path, monkeypatch):
+    # tf.gather does not take a SparseTensor: fit with a ParallelBackupAndRestore (and shuffle=True) failed.
+    rng = np.random.default_rng()
+    dense, y = rng.normal(size=(10, 6)).astype("float32"), rng.normal(size=(10, 2)).astype("float32")
+    dense[dense < 0.5], dense[4] = 0.0, 0.0  # row 4 has no entries
+    orders, order = [], _epoch_order.EpochOrder
+    monkeypatch.setattr(_epoch_order, "EpochOrder", lambda seed: orders.append(order(seed)) or orders[-1])
+    reference, template = _sparse_model(), _sparse_model()
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer="sgd", loss="mse")
+    backup = kerasmulti.ParallelBackupAndRestore(str(tmp_path))
+    parallel.fit(tf.sparse.from_dense(dense), y, batch_size=4, epochs=2, verbose=0, callbacks=[backup])  # shuffle=True
+    seed = int(orders[-1].seed.numpy())
+    for epoch in range(2):
+        rows = tf.random.experimental.stateless_shuffle(tf.range(10, dtype=tf.int64), seed=[seed, epoch]).numpy()
+        reference.fit(tf.sparse.from_dense(dense[rows]), y[rows], batch_size=4, shuffle=False, verbose=0)
+    assert_same_weights(reference, template)

@@ -16,6 +16,7 @@ with steps of its own only by the numbers: what is not certain is Keras'.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -98,6 +99,12 @@ def check_predict(model, arguments: dict) -> None:
 
 def check_batch(method: str, model, x, y=None, sample_weight=None) -> None:
     """Refuses what `train_on_batch`, `test_on_batch` or `predict_on_batch` would fail on in a replica."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset, Iterator)):
+        whole = {"train_on_batch": "fit", "test_on_batch": "evaluate"}.get(method, "predict")
+        raise ValueError(
+            f"{method}() takes one batch of arrays, not a dataset or generator. Pass arrays, or give it "
+            f"to {whole}(). Received: x={type(x).__name__}"
+        )
     _check_data(method, model, dict(x=x, y=y, sample_weight=sample_weight), "x")
 
 
@@ -252,6 +259,15 @@ def _output(model):
     return outputs[0] if outputs and len(outputs) == 1 else None
 
 
+def _output_keys(model) -> list:
+    """The names `y` is matched to outputs by: a dict of outputs' keys (Keras' own), else the output layers' names."""
+    try:
+        structure = model._template.output
+    except (AttributeError, ValueError):
+        structure = None  # never called: a subclassed model
+    return sorted(structure) if isinstance(structure, dict) else list(model.output_names)
+
+
 def _classes(model) -> int | None:
     """The classes a one-output template predicts (2 for one unit), or None where unknown."""
     output = _output(model)
@@ -271,7 +287,7 @@ def _check_targets(method: str, model, x, y, argument: str) -> None:
             )
         return
     if isinstance(y, dict) and not isinstance(loss, (list, tuple)):
-        names = list(model.output_names)
+        names = _output_keys(model)
         needed = [n for n in names if loss.get(n) is not None] if isinstance(loss, dict) else names
         missing = [n for n in needed if n not in y]
         if missing:

@@ -107,13 +107,27 @@ def shuffled(x, y, sample_weight, batch_size, class_weight, order: EpochOrder) -
     # end that the input "ran out of data".
     in_order = in_order.apply(tf.data.experimental.assert_cardinality(rows))
     dataset = in_order.batch(batch_size or 32).map(
-        lambda picked: tree.map_structure(lambda t: tf.gather(t, picked), tensors)
+        lambda picked: tree.map_structure(lambda t: _take_rows(t, picked), tensors)
     ).prefetch(2)
     options = tf.data.Options()
     options.autotune.enabled = False  # no teardown stall (see `feeding`)
     # The seed and the epoch are read when each epoch's order is drawn.
     options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
     return dataset.with_options(options)
+
+
+def _take_rows(tensor, picked):
+    """The rows `picked` of `tensor`, in that order: `tf.gather`, also for a `tf.SparseTensor`, which it does not take."""
+    if not isinstance(tensor, tf.SparseTensor):
+        return tf.gather(tensor, picked)
+    count = tf.shape(picked, out_type=tf.int64)[0]
+    # Each row's place in the batch, -1 where it is not picked (the picked rows are distinct).
+    place = tf.scatter_nd(picked[:, None], tf.range(1, count + 1), tensor.dense_shape[:1]) - 1
+    new_rows = tf.gather(place, tensor.indices[:, 0])
+    kept = new_rows >= 0
+    indices = tf.concat([tf.boolean_mask(new_rows, kept)[:, None], tf.boolean_mask(tensor.indices, kept)[:, 1:]], axis=1)
+    rows = tf.SparseTensor(indices, tf.boolean_mask(tensor.values, kept), tf.concat([[count], tensor.dense_shape[1:]], 0))
+    return tf.sparse.reorder(rows)
 
 
 class OrderedBatches(keras.utils.PyDataset):

@@ -40,26 +40,33 @@ def bound(method, args, kwargs) -> dict:
 
 
 def endless(data) -> bool:
-    """Whether `data` is a `tf.data.Dataset` that never ends, also behind an op that hides its length."""
+    """Whether `data` is a `tf.data.Dataset` certain never to end, also behind an op that hides its length.
+
+    TensorFlow's count is UNKNOWN behind `filter`, and INFINITE for some
+    pipelines that end (`sample_from_datasets(..., stop_on_empty_dataset=True)`
+    over one endless input): where it is not finite, the pipeline's ops decide.
+    """
     if not isinstance(data, tf.data.Dataset):
         return False
-    if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
-        return True
-    return int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY) and _repeats_forever(data)
+    return int(data.cardinality()) < 0 and _never_ends(data)
 
 
-def _repeats_forever(data: tf.data.Dataset) -> bool:
-    """Whether a `repeat()` without a count feeds `data` with no `take()` bounding it on the way."""
-    pending = [data]
-    while pending:
-        dataset = pending.pop()
-        kind, count = type(dataset).__name__, keras_private.dataset_count(dataset)
-        if kind == "_TakeDataset" and count is not None and count >= 0:
-            continue  # bounded from here on
-        if kind == "_RepeatDataset" and count is not None and count < 0:
-            return True
-        pending.extend(keras_private.dataset_inputs(dataset))
-    return False
+def _never_ends(dataset: tf.data.Dataset) -> bool:
+    """Whether a `repeat()` without a count, or an endless source, feeds `dataset` with nothing that can end it."""
+    kind, count = type(dataset).__name__, keras_private.dataset_count(dataset)
+    inputs = keras_private.dataset_inputs(dataset)
+    bounded = kind == "_TakeDataset" and count is not None and count >= 0
+    if bounded or kind == "_TakeWhileDataset" or (kind == "_RepeatDataset" and count == 0):
+        return False  # ends, or may (take_while): Keras reads it as it would
+    if kind == "_RepeatDataset" and count is not None and count < 0:
+        return int(inputs[0].cardinality()) != 0  # an empty input repeated ends at once
+    if not inputs:
+        return int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY)  # Dataset.random(), a counter
+    if kind == "_ConcatenateDataset":
+        return any(_never_ends(d) for d in inputs)
+    # zip ends with its shortest input, sample_from_datasets can stop at an empty one;
+    # map, filter, batch and the like go on as long as their input.
+    return all(_never_ends(d) for d in inputs)
 
 
 def check_ends(method: str, arguments: dict, steps: str, data: str = "x") -> None:
