@@ -79,7 +79,7 @@ def test_auto_split_changes_proportions_mid_training_with_one_device_numbers(cas
 def test_measured_proportions_that_leave_replicas_idle_keep_one_device_numbers(monkeypatch, jit):
     monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 1000)  # keep the proportions given here
     case = CASES[0]
-    # Batches of 4 at [0.9, 0.05, 0.05]: rows 4, 0, 0; the last batch of 2: 2, 0, 0.
+    # Batches of 4 at [0.9, 0.05, 0.05]: rows 2, 1, 1; the last batch of 2: 1, 1, 0 (one idle).
     parallel = _train_both(case, "auto", 4, jit, lambda p: p._auto_split.proportions.assign([0.9, 0.05, 0.05]))
     assert parallel.split == pytest.approx([0.9, 0.05, 0.05])
 
@@ -140,12 +140,33 @@ def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
         got = sizes(batch, (0.6, 0.3, 0.1))
         assert sum(got) == batch and min(got) >= 1
         assert all(abs(g - batch * p) < 2 for g, p in zip(got, (0.6, 0.3, 0.1)))
-    # Known at run time only (a measured split): cumulative rounding, idle replicas allowed.
-    shards = _split.plan(tf.constant(10), 3, tf.constant([0.5, 0.25, 0.25]))
-    assert [int(s.counted) for s in shards] == [5, 3, 2]  # ends round(5.0), round(7.5) = 8 (half to even), 10
+    # Known at run time only (a tf.data batch, a measured split): the same sizes, in TensorFlow ops.
     shards = _split.plan(tf.constant(4), 3, tf.constant([0.9, 0.05, 0.05]))
-    assert [int(s.counted) for s in shards] == [4, 0, 0]
-    assert [int(s.sliced) for s in shards] == [4, 1, 1]  # idle replicas compute on a borrowed row
+    assert [int(s.counted) for s in shards] == [2, 1, 1]
+    shards = _split.plan(tf.constant(2), 3, tf.constant([0.9, 0.05, 0.05]))
+    assert [int(s.counted) for s in shards] == [1, 1, 0]
+    assert [int(s.sliced) for s in shards] == [1, 1, 1]  # an idle replica computes on a borrowed row
+    for split in [(0.6, 0.3, 0.1), (0.98, 0.01, 0.01), (0.5, 0.25, 0.25), (0.97, 0.01, 0.01, 0.01), (2 / 3, 1 / 3)]:
+        for batch in range(len(split), 40):
+            known = sizes(batch, split)
+            assert [int(s.counted) for s in _split.plan(tf.constant(batch), len(split), split)] == known, (split, batch)
+            measured = _split.plan(tf.constant(batch), len(split), tf.constant(split, tf.float32))
+            assert sum(int(s.counted) for s in measured) == batch
+
+
+def test_a_fixed_split_fed_by_a_dataset_gives_every_device_rows_and_one_device_numbers():
+    # The batch size is known at run time only: the sizes were [4, 0, 0] a batch, two devices idle.
+    reference, template = CASES[0].pair(11)
+    x, y = CASES[0].data(np.random.default_rng(), 12)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES, split=[98, 1, 1])
+    reference.compile(**CASES[0].compile_kwargs())
+    parallel.compile(**CASES[0].compile_kwargs())
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    expected = reference.fit(x, y, batch_size=4, shuffle=False, verbose=0).history
+    got = parallel.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), verbose=0, callbacks=[monitor]).history
+    assert_same_logs(expected, got)
+    assert_same_weights(reference, template)
+    assert [d["rows"] for d in monitor.records[-1]["devices"].values()] == [6, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -157,6 +178,7 @@ def test_proportional_sizes_sum_to_the_batch_and_give_each_device_a_row():
         ([1, -1, 1], "split must be 'even', 'auto' or a list"),
         ([1, math.nan, 1], "split must be 'even', 'auto' or a list"),
         ([True, 1, 1], "split must be 'even', 'auto' or a list"),
+        ([10**400, 1, 1], "split must be 'even', 'auto' or a list"),  # past float's range: was an OverflowError
         (0.5, "split must be 'even', 'auto' or a list"),
         (np.ones((3, 1)), "split must be 'even', 'auto' or a list"),
     ],
@@ -269,6 +291,101 @@ def test_the_monitor_measures_one_device_for_a_baseline():
     assert record["compute_seconds"] >= 0.032  # 32 rows at 1 ms a row
     parts = record["compute_seconds"] + record["input_call_seconds"] + record["loop_seconds"]
     assert parts == pytest.approx(record["step_seconds"])
+
+
+def test_the_monitor_times_one_device_whose_step_xla_compiles_with_one_device_numbers():
+    # The clocks (numpy_function) have no XLA kernel: fit failed. Now the work is compiled, the clocks read around it.
+    reference, template = CASES[0].pair(11)
+    x, y = CASES[0].data(np.random.default_rng(), 12)
+    parallel = kerasmulti.parallelize(template, gpus=1)
+    reference.compile(**CASES[0].compile_kwargs())
+    parallel.compile(**CASES[0].compile_kwargs(), jit_compile=True)
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, callbacks=[monitor], **fit).history)
+    assert_same_weights(reference, template)
+    assert parallel._compiled_work is not None and parallel.jit_compile  # the work still runs under XLA
+    record = monitor.records[-1]
+    assert [d["rows"] for d in record["devices"].values()] == [12] and record["compute_seconds"] > 0
+    assert all(d["busy_seconds"] > 0 for d in record["devices"].values())
+
+
+def _ancestors(op) -> set:
+    """The operations `op` waits for, through its inputs and control inputs."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("gpus, rows", [(1, None), (DEVICES, 1)], ids=["one-device", "one-row-batch"])
+def test_a_step_on_one_shard_does_its_work_after_its_start_reading(gpus, rows):
+    # Nothing waited for the start's clock reading: run after the work, it booked 0 or negative compute.
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]), gpus=gpus)
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = _data(8)
+    parallel.fit(x, y, batch_size=8, verbose=0, callbacks=[kerasmulti.ThroughputMonitor(verbose=0)])  # timed from now on
+    spec = (tf.TensorSpec([rows, 8]), tf.TensorSpec([rows, 1]))
+    graph = tf.function(parallel.train_step).get_concrete_function(spec).graph
+    clocks = {op for op in graph.get_operations() if op.type == "PyFuncStateless"}
+    work = [op for op in graph.get_operations() if op.type == "MatMul"]
+    assert clocks and work and all(clocks & _ancestors(op) for op in work)
+
+
+def test_auto_split_takes_no_speed_from_a_replica_without_rows_or_positive_time_and_settles_on_speeds_only(monkeypatch):
+    # A replica's negative time gave a negative speed, and "settled" was claimed with no proportions set.
+    monkeypatch.setattr(_balance.AutoSplit, "WARMUP", 0)
+    monkeypatch.setattr(_balance.AutoSplit, "WINDOW", 2)
+    auto = _balance.AutoSplit(3)
+    f64 = lambda values: tf.constant(values, tf.float64)  # noqa: E731
+    auto.observe(f64([1.0, 1.0, -0.001]), f64([4, 4, 4]))  # a clock read out of order
+    auto.observe(f64([1.0, 1.0, 1.0]), f64([4, 4, 0]))  # no rows
+    assert not auto.settled and auto.current() == pytest.approx([1 / 3] * 3)
+    auto.observe(f64([1.0, 1.0, 2.0]), f64([4, 4, 4]))  # the window goes round: a speed for every replica
+    assert auto.settled and auto.current() == pytest.approx([0.4, 0.4, 0.2])
+    auto.observe(f64([1.0, 1.0, 0.1]), f64([4, 4, 4]))  # settled: kept
+    assert auto.current() == pytest.approx([0.4, 0.4, 0.2])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapping", "in-turn"])
+def test_step_timing_books_a_device_running_several_replicas_for_their_union(monkeypatch, overlap):
+    # A pipeline's micro-batches are replicas on one device: each overwrote the previous one's figures.
+    # Fake clock readings, in the order an eager step takes them.
+    readings = iter([0.0, 1.0, 1.0, 1.0, 3.0, 4.0, 2.0, 5.0] if overlap else [0.0, 1.0, 2.0, 2.0, 3.0, 1.0, 2.0, 5.0])
+    monkeypatch.setattr(_balance, "_now", lambda _: np.float64(next(readings)))
+    timing = _balance.StepTiming(["/cpu:0", "/cpu:0", "/cpu:1"])
+    batch = tf.ones((6, 1))
+    started = timing.step_start(batch)
+    order = [("start", 0), ("start", 1), ("start", 2), ("end", 0), ("end", 1), ("end", 2)] if overlap else [
+        ("start", 0), ("end", 0), ("start", 1), ("end", 1), ("start", 2), ("end", 2)]
+    for what, i in order:
+        timing.start(i, batch) if what == "start" else timing.end(i, batch)
+    shards = [_split.Shard(0, 2, 2), _split.Shard(2, 3, 3), _split.Shard(5, 1, 1)]
+    busy, rows = timing.record(shards, started, batch)
+    assert busy.numpy().tolist() == ([2.0, 3.0, 1.0] if overlap else [1.0, 1.0, 1.0])  # per replica, as AutoSplit takes them
+    figures = timing.take()
+    assert timing.devices == ["/cpu:0", "/cpu:1"] and figures["rows"].tolist() == [5.0, 1.0]
+    # Overlapping: the span from 1 to 4, not the sum 5; in turn: the sum 2 (the span too).
+    assert figures["busy"].tolist() == ([3.0, 1.0] if overlap else [2.0, 1.0])
+    assert figures["slowest"] == (3.0 if overlap else 2.0) and figures["step"] == 5.0
+
+
+def test_the_monitor_adds_up_a_pipelines_micro_batches_on_their_device():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(1)])
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=4)
+    piped.compile(optimizer="sgd", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(verbose=0)
+    x, y = _data(32)
+    piped.fit(x, y, batch_size=16, verbose=0, callbacks=[monitor])
+    record = monitor.records[-1]
+    assert list(record["devices"]) == piped.stages[:1]  # every micro-batch starts on the first stage's device
+    assert record["devices"][piped.stages[0]]["rows"] == record["samples"] == 32
+    assert record["imbalance"] == 1.0 and record["compute_seconds"] > 0
 
 
 class _SlowLoop(keras.callbacks.Callback):

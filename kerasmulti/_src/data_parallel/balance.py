@@ -55,9 +55,7 @@ def resolve(split, devices: list[str]):
     if isinstance(split, str):
         if split in ("even", "auto"):
             return None if split == "even" else "auto"
-    elif isinstance(split, (list, tuple)) and all(
-        isinstance(w, Real) and not isinstance(w, bool) and math.isfinite(w) and w > 0 for w in split
-    ):
+    elif isinstance(split, (list, tuple)) and all(_positive_weight(w) for w in split):
         if len(split) != len(devices):
             raise ValueError(
                 f"split has {len(split)} weight(s) but the model runs on {len(devices)} "
@@ -72,25 +70,39 @@ def resolve(split, devices: list[str]):
     )
 
 
+def _positive_weight(w) -> bool:
+    try:
+        return isinstance(w, Real) and not isinstance(w, bool) and math.isfinite(w) and w > 0
+    except OverflowError:  # an int past float's range: math.isfinite cannot convert it
+        return False
+
+
 class StepTiming:
-    """Per-replica busy time and rows, and step time, added up inside the step.
+    """Per-device busy time and rows, and step time, added up inside the step.
+
+    A device that runs several replicas (a pipeline's micro-batches) books
+    per step the smaller of their summed busy times and the span from the
+    first one's start to the last one's end: their union where they run in
+    turn (the sum) or overlap (the span).
 
     Args:
         devices: The replicas' devices, in shard order.
     """
 
     def __init__(self, devices: list[str]):
-        self.devices = list(devices)
-        self.replicas = replicas = len(devices)
+        self.devices = list(dict.fromkeys(devices))  # each once, in order
+        self._device_of = [self.devices.index(d) for d in devices]
+        self.replicas = len(devices)
         with tf.init_scope(), tf.device("/cpu:0"):
-            self.busy = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="busy_seconds")
-            self.rows = tf.Variable(tf.zeros(replicas, tf.float64), trainable=False, name="rows")
+            self.busy = tf.Variable(tf.zeros(len(self.devices), tf.float64), trainable=False, name="busy_seconds")
+            self.rows = tf.Variable(tf.zeros(len(self.devices), tf.float64), trainable=False, name="rows")
             self.slowest = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="slowest_seconds")
             self.step = tf.Variable(tf.zeros((), tf.float64), trainable=False, name="step_seconds")
             self.steps = tf.Variable(tf.zeros((), tf.int64), trainable=False, name="steps")
         self._starts = {}
         self._step_started = None
         self._durations = {}
+        self._spans = {}  # replica: its first start and last end this step
         self._lock = threading.Lock()
 
     def start(self, replica: int, inputs):
@@ -98,6 +110,8 @@ class StepTiming:
         start = self._clock_after((inputs, self._step_started))
         with self._lock:
             self._starts[replica] = start
+            first, last = self._spans.get(replica, (None, None))  # a replica may run twice a step (a counting pass)
+            self._spans[replica] = (start if first is None else tf.minimum(first, start), last)
         with tf.control_dependencies([start]):
             return tree.map_structure(waiting_copy, inputs)
 
@@ -105,9 +119,11 @@ class StepTiming:
         """Notes replica `replica`'s busy time, once `outputs` are computed."""
         with self._lock:
             start = self._starts.pop(replica)
-        duration = self._clock_after((outputs, start)) - start  # outputs made before its last meeting point: none since
+        ended = self._clock_after((outputs, start))  # outputs made before its last meeting point: no work since
         with self._lock:  # a replica may run twice a step (a counting pass)
-            self._durations[replica] = self._durations.get(replica, 0.0) + duration
+            self._durations[replica] = self._durations.get(replica, 0.0) + (ended - start)
+            first, last = self._spans[replica]
+            self._spans[replica] = (first, ended if last is None else tf.maximum(last, ended))
 
     def arrive(self, replica: int, value) -> None:
         """Books replica `replica`'s work up to its `value` for a meeting point (`replicas._Rendezvous`)."""
@@ -147,19 +163,33 @@ class StepTiming:
         """
         with self._lock:
             durations, self._durations = self._durations, {}
+            spans, self._spans = self._spans, {}
             self._step_started = None  # belongs to this trace's graph
         step = self._clock_after(done) - step_start
         zero = tf.zeros((), tf.float64)
         if not durations:
             durations = {0: step}
         busy = tf.stack([durations.get(i, zero) for i in range(self.replicas)])
-        sizes = [tf.cast(shards[i].counted, tf.float64) if i < len(shards) else zero for i in range(self.replicas)]
-        self.busy.assign_add(busy)
-        self.rows.assign_add(tf.stack(sizes))
-        self.slowest.assign_add(tf.reduce_max(busy))
+        sizes = tf.stack([tf.cast(shards[i].counted, tf.float64) if i < len(shards) else zero for i in range(self.replicas)])
+        per_device = tf.stack([self._device_busy(k, durations, spans) for k in range(len(self.devices))])
+        self.busy.assign_add(per_device)
+        self.rows.assign_add(tf.math.unsorted_segment_sum(sizes, self._device_of, len(self.devices)))
+        self.slowest.assign_add(tf.reduce_max(per_device))
         self.step.assign_add(step)
         self.steps.assign_add(1)
-        return busy, tf.stack(sizes)
+        return busy, sizes
+
+    def _device_busy(self, device: int, durations: dict, spans: dict):
+        """Device `device`'s busy time this step: its replicas' summed, or their span where shorter."""
+        ran = [i for i, d in enumerate(self._device_of) if d == device and i in durations]
+        if not ran:
+            return tf.zeros((), tf.float64)
+        summed = tf.add_n([durations[i] for i in ran])
+        timed = [spans[i] for i in ran if i in spans and spans[i][1] is not None]
+        if len(timed) < 2:
+            return summed
+        span = tf.reduce_max([last for _, last in timed]) - tf.reduce_min([first for first, _ in timed])
+        return tf.minimum(summed, span)
 
     def _clock_after(self, structure):
         return _clock_after(structure, self.steps)
@@ -289,33 +319,40 @@ class AutoSplit:
                 tf.fill([replicas], 1.0 / replicas), trainable=False, name="split_proportions"
             )
             self._seen = tf.Variable(tf.zeros((), tf.int64), trainable=False, name="split_steps")
-            self._speeds = tf.Variable(tf.zeros((self.WINDOW, replicas), tf.float64), trainable=False, name="split_speeds")
+            unmeasured = tf.fill((self.WINDOW, replicas), tf.constant(np.nan, tf.float64))
+            self._speeds = tf.Variable(unmeasured, trainable=False, name="split_speeds")
+            self._settled = tf.Variable(False, trainable=False, name="split_settled")
 
     @property
     def settled(self) -> bool:
-        return int(self._seen.numpy()) >= self.WARMUP + self.WINDOW
+        """Whether the proportions are set from measured speeds (a speed for every replica)."""
+        return bool(self._settled.numpy())
 
     def observe(self, busy, rows) -> None:
-        """Notes one step's replica speeds; after the window, sets the proportions.
+        """Notes one step's replica speeds; once the window holds one for every replica, sets the proportions.
 
         Each replica's speed is its median over the window's steps, so a step
         that compiled (XLA compiles each new sub-batch shape when it first
-        runs) or met a busy moment does not skew it.
+        runs) or met a busy moment does not skew it. Until every replica has
+        a speed the window goes round again, its oldest steps replaced.
         """
         seen = self._seen.assign_add(1)
         slot = seen - self.WARMUP - 1
-        measured = tf.logical_and(slot >= 0, slot < self.WINDOW)
-        # A replica that ran no rows this step (a 1-row batch) shows no speed.
-        speeds = tf.where(rows > 0, tf.math.divide_no_nan(rows, busy), tf.constant(np.nan, tf.float64))
-        index = tf.clip_by_value(slot, 0, self.WINDOW - 1)
+        measured = tf.logical_and(slot >= 0, tf.logical_not(self._settled))
+        # A replica that ran no rows this step (a 1-row batch), or whose clocks
+        # gave no positive time, shows no speed.
+        timed = tf.logical_and(rows > 0, busy > 0)
+        speeds = tf.where(timed, rows / tf.where(timed, busy, 1.0), tf.constant(np.nan, tf.float64))
+        index = tf.math.floormod(tf.maximum(slot, 0), self.WINDOW)
         self._speeds.scatter_update(
             tf.IndexedSlices(tf.where(measured, speeds, self._speeds[index])[None], index[None])
         )
         speed = _median(self._speeds.read_value())
         valid = tf.logical_and(tf.math.is_finite(speed), speed > 0)
         proportions = tf.cast(speed / tf.reduce_sum(speed), tf.float32)
-        settle = tf.logical_and(tf.equal(seen, self.WARMUP + self.WINDOW), tf.reduce_all(valid))
+        settle = tf.logical_and(measured, tf.logical_and(slot >= self.WINDOW - 1, tf.reduce_all(valid)))
         self.proportions.assign(tf.where(settle, proportions, self.proportions))
+        self._settled.assign(tf.logical_or(self._settled, settle))
 
     def current(self) -> list[float]:
         return [float(p) for p in np.asarray(self.proportions.numpy())]

@@ -54,6 +54,7 @@ class LocalParallelModel(ParallelModel):
         self._auto_split = self._replicas.auto_split
         self._timing = _balance.StepTiming(devices) if self._auto_split else None
         self._input_order = None  # `epoch_order`: shuffled arrays a backup resumes
+        self._compiled_work = None  # timed on one device under XLA: the step's work, compiled (`make_train_function`)
 
     def _custom_steps(self):
         return _custom_steps.CustomSteps(self._template, self._replicas)
@@ -142,19 +143,46 @@ class LocalParallelModel(ParallelModel):
             )
         return self._replicas.merge(self._replicas.run(plan, replica, synchronized), plan)
 
+    def make_train_function(self, force=False):
+        """Keras' train function; timed on one device under XLA, Keras' step runs plain around the compiled work.
+
+        (The clocks, `numpy_function`s, have no XLA kernel: they stay outside it, in `train_step`.)
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        outside = self._timing is not None and len(self._replica_devices) == 1 and not self.run_eagerly and self.jit_compile
+        self._compiled_work = tf.function(self._train_work, reduce_retracing=True, jit_compile=True) if outside else None
+        if not outside:
+            return super().make_train_function(force)
+        self.jit_compile = False
+        try:
+            return super().make_train_function(force)
+        finally:
+            self.jit_compile = True
+
     def train_step(self, data):
         timing = self._timing
-        started = timing.step_start(data) if timing is not None else None
-        if self._custom is not None:
-            logs, shards = self._custom.run("train_step", data, timing)
+        if timing is None:
+            return self._train_work(data)[0]
+        started = timing.step_start(data)
+        # The work waits for the start's reading: with one shard nothing else would.
+        with tf.control_dependencies([started]):
+            data = keras.tree.map_structure(_balance.waiting_copy, data)
+        if self._compiled_work is not None:
+            logs, shards = self._compiled_work(data)
         else:
-            logs, shards = self._keras_train_step(data)
-        if timing is not None:
-            # Its end: the updated weights and the logs (a step may update no weight).
-            busy, rows = timing.record(shards, started, (self._updated_weights(), logs))
-            if self._auto_split is not None:
-                self._auto_split.observe(busy, rows)
+            logs, shards = self._train_work(data, timing)
+        # Its end: the updated weights and the logs (a step may update no weight).
+        busy, rows = timing.record(shards, started, (self._updated_weights(), logs))
+        if self._auto_split is not None:
+            self._auto_split.observe(busy, rows)
         return logs
+
+    def _train_work(self, data, timing=None):
+        """The step's work, its timing's readings inside where it has several replicas; its logs and the shards that ran."""
+        if self._custom is not None:
+            return self._custom.run("train_step", data, timing)
+        return self._keras_train_step(data)
 
     def _keras_train_step(self, data):
         """Keras' training step over the replicas; its logs and the shards that ran."""

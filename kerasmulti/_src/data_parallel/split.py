@@ -3,16 +3,19 @@
 A batch of B rows over n devices becomes min(n, B) shards, in order, whose
 sizes differ by at most one, or follow the proportions `split` gives (one per
 device: fixed numbers, or a tensor that `balance.AutoSplit` updates from
-measured speeds). When B and the proportions are known while tracing (eager
-calls, the first compiled step), idle replicas are simply not run. When B is
-only known at run time (a compiled step retraced for a smaller last batch, or
-measured proportions), every replica is traced; a replica whose shard is
-empty computes on one borrowed row and gets weight zero, so no device ever
+measured speeds); proportional sizes give every device at least one row
+while the batch has a row per device. When B and the proportions are known
+while tracing (eager calls, the first compiled step), idle replicas are simply
+not run. When B is only known at run time (a `tf.data` batch, a compiled step
+retraced for a smaller last batch, or measured proportions), the same sizes
+come from TensorFlow ops and every replica is traced; a replica whose shard is
+empty (fewer rows than devices) computes on one borrowed row and gets weight zero, so no device ever
 sees an empty tensor and nothing it computes reaches the result. Gradients are summed.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import tensorflow as tf
@@ -92,19 +95,14 @@ def plan(batch, replicas: int, split=None) -> list[Shard]:
             begin += size
         return shards
     batch = tf.convert_to_tensor(batch, tf.int32)
-    if split is None:
-        base, extra = batch // replicas, batch % replicas
-        ends = [(i + 1) * base + tf.minimum(i + 1, extra) for i in range(replicas)]
-    else:
-        # Cumulative proportions give the ends, so the sizes sum to the batch.
-        cumulative = tf.math.cumsum(tf.cast(split, tf.float64))
-        ends = [tf.cast(tf.round(tf.cast(batch, tf.float64) * cumulative[i]), tf.int32) for i in range(replicas - 1)]
-        ends.append(batch)
+    base, extra = batch // replicas, batch % replicas
+    sizes = [base + tf.cast(i < extra, tf.int32) for i in range(replicas)]
+    if split is not None:
+        sizes = tf.unstack(tf.where(batch < replicas, tf.stack(sizes), _run_time_proportional_sizes(batch, split, replicas)))
     shards, begin = [], tf.constant(0, tf.int32)
-    for end in ends:
-        size = end - begin
+    for size in sizes:
         shards.append(Shard(tf.where(size > 0, begin, 0), tf.maximum(size, 1), size))
-        begin = end
+        begin = begin + size
     return shards
 
 
@@ -128,6 +126,29 @@ def _proportional_sizes(batch: int, split) -> list[int]:
     while sum(sizes) > batch:
         sizes[max((i for i in range(len(sizes)) if sizes[i] > 1), key=lambda i: sizes[i] - ideal[i])] -= 1
     return sizes
+
+
+def _run_time_proportional_sizes(batch, split, replicas: int):
+    """`_proportional_sizes` in TensorFlow ops, for a batch or proportions known at run time (a batch of at least `replicas` rows).
+
+    The same steps: each at least one row, then a row at a time to the largest
+    remainder, or from the largest excess (ties to the first), at most `replicas` each way.
+    """
+    total = tf.cast(batch, tf.float64)
+    if tf.is_tensor(split):  # measured float32 proportions: their sum may miss 1 by more than a row's worth
+        split = tf.cast(split, tf.float64) / tf.reduce_sum(tf.cast(split, tf.float64))
+    ideal = total * tf.convert_to_tensor(split, tf.float64)  # fixed proportions as Python has them, not via float32
+    sizes = tf.maximum(tf.floor(ideal), 1.0)
+
+    def first_largest(values):
+        return tf.one_hot(tf.argsort(values, direction="DESCENDING", stable=True)[0], replicas, dtype=tf.float64)
+
+    for _ in range(replicas):
+        sizes += tf.where(tf.reduce_sum(sizes) < total, first_largest(ideal - sizes), 0.0)
+    for _ in range(replicas):
+        excess = tf.where(sizes > 1, sizes - ideal, -math.inf)
+        sizes -= tf.where(tf.reduce_sum(sizes) > total, first_largest(excess), 0.0)
+    return tf.cast(sizes, tf.int32)
 
 
 def take(structure, shard: Shard):
