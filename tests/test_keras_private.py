@@ -502,3 +502,23 @@ def test_a_workers_step_replaces_how_an_optimizer_sums_gradients_and_gives_it_ba
     assert optimizer._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)]
     _keras_private.sum_gradients_with(optimizer, None)
     assert optimizer._all_reduce_sum_gradients.__func__ is keras_sum
+
+
+def test_private_names_of_optimizers_and_variable_creation_are_still_there():
+    """`creating_variables_with` (an optimizer built in a replica's step) and the weight-decay exclusions carried across workers."""
+    import keras
+    import tensorflow as tf
+
+    from kerasmulti._src.keras_private import optimizers
+
+    assert isinstance(tf.compat.v1.get_default_graph()._variable_creator_stack, list)
+    with optimizers.creating_variables_with(optimizers.variable_creators()):
+        pass
+    variable = keras.Variable(tf.zeros(2), name="bias")
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_list=[variable], var_names=["bias"])
+    assert optimizers.tensorflow_variable_key(variable) in optimizer._exclude_from_weight_decay
+    assert optimizer._exclude_from_weight_decay_pattern is not None
+    rebuilt = keras.optimizers.AdamW.from_config(optimizer.get_config())
+    optimizers.carry_weight_decay_exclusions(optimizer, rebuilt)
+    assert not rebuilt._use_weight_decay(variable)

@@ -358,6 +358,61 @@ def test_a_mixed_float16_step_scales_each_replicas_loss_by_its_share_before_the_
     assert_same_weights(reference, template, atol=1e-3)  # float16's rounding
 
 
+class _OwnLossScale(keras.Model):
+    """A mixed_float16 step with a LossScaleOptimizer of its own, unbuilt until its first `apply`."""
+
+    def __init__(self, gradient_accumulation_steps):
+        super().__init__(name="own_loss_scale")
+        # float16 kernel, no bias: every gradient that can overflow is a row's own, the same on any replica.
+        self.dense = keras.layers.Dense(1, use_bias=False, dtype="mixed_float16")
+        inner = keras.optimizers.Adam(0.1, gradient_accumulation_steps=gradient_accumulation_steps)
+        self.scaled_optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=2**10)
+
+    def call(self, x):
+        return keras.ops.cast(self.dense(x), "float32")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x, training=True) - y))
+            scaled = self.scaled_optimizer.scale_loss(loss)
+        self.scaled_optimizer.apply(tape.gradient(scaled, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("accumulation, jit_compile", [(None, "auto"), (3, True)], ids=["plain", "accumulating-xla"])
+def test_an_unbuilt_loss_scale_optimizer_of_the_step_lowers_its_scale_and_trains_as_one_device(accumulation, jit_compile):
+    # Built by its first `apply`, inside the step's first trace: that trace scaled by the initial
+    # scale, a constant. One device's trace is made again once the optimizer has variables; the
+    # replicas built it where `tf.function` did not see it, so every step kept the constant scale
+    # (2**10), overflowed and was skipped: 0 steps applied, the scale halved to 2**2.
+    rng = np.random.default_rng()
+    # Targets near 1000: each row's float16 gradient overflows at scales 2**10 and 2**9 and no longer at 2**8
+    # (batches of 8); the small inputs keep the kernel's sum over the rows far from float16's limit.
+    x = (0.01 * rng.normal(size=(ROWS, FEATURES))).astype("float32")
+    y = (1000 + rng.normal(size=(ROWS, 1))).astype("float32")
+
+    def fit(parallel):
+        keras.utils.set_random_seed(5)
+        template = _OwnLossScale(accumulation)
+        template(x[:1])
+        model = kerasmulti.parallelize(template, gpus=DEVICES) if parallel else template
+        model.compile(jit_compile=jit_compile if parallel else False)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return template
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference, template = fit(False), fit(True)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    optimizers = reference.scaled_optimizer, template.scaled_optimizer
+    # Skipped: the first two steps (scales 2**10, 2**9) and each epoch's last, of 2 rows (2**8, 2**7).
+    assert [float(o.dynamic_scale.numpy()) for o in optimizers] == [2.0**6] * 2
+    assert [int(o.iterations.numpy()) for o in optimizers] == [4 // (accumulation or 1)] * 2  # 4 applied
+    assert_same_weights(reference, template, atol=1e-3)  # float16's rounding
+
+
 def test_callbacks_reach_the_templates_own_attributes():
     model = functional(GuideLowLevel, 4)
     parallel = kerasmulti.parallelize(model, gpus=DEVICES)

@@ -199,3 +199,117 @@ def test_multi_worker_accumulation_refuses_variables_overwritten_with_their_grad
         ValueError, match=r"cannot overwrite variables with their gradient.*Received: overwrite_with_gradient=True$"
     ):
         _compile(parallel, 2)
+
+
+def _decaying(steps, scaled):
+    optimizer = keras.optimizers.AdamW(learning_rate=0.05, weight_decay=0.5, gradient_accumulation_steps=steps)
+    return keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=4.0) if scaled else optimizer
+
+
+@pytest.mark.parametrize("steps", [None, 2], ids=["apply", "accumulated"])
+@pytest.mark.parametrize("by", ["var_names", "var_list", "loss-scaled"])
+def test_multi_worker_optimizer_keeps_its_weight_decay_exclusions(by, steps):
+    """`exclude_from_weight_decay` is not in an optimizer's config: the one
+    re-created in the strategy's scope must keep it (before: bias decayed).
+    `var_list` names the template's variables before `parallelize` re-creates them."""
+    rng = np.random.default_rng(13)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    reference, template = _pair(False)
+    optimizers = [_decaying(steps, by == "loss-scaled") for _ in range(2)]
+    for model, optimizer in zip((reference, template), optimizers):
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if by == "var_list":
+            inner.exclude_from_weight_decay(var_list=[layer.bias for layer in model.layers])
+        else:
+            inner.exclude_from_weight_decay(var_names=["bias"])
+    parallel = worker_model(template)
+    reference.compile(optimizer=optimizers[0], loss="mse")
+    parallel.compile(optimizer=optimizers[1], loss="mse")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference.fit(x, y, **fit)
+    parallel.fit(x, y, **fit)
+    assert_same_weights(reference, template, atol=1e-6)
+
+
+def test_multi_worker_accumulation_resets_every_accumulator_on_an_update():
+    """As Keras: an update step empties the accumulators of variables it left
+    out (a layer frozen meanwhile), which then start afresh when it trains again."""
+    rng = np.random.default_rng(17)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    reference, template = _pair(False)
+    parallel = worker_model(template)
+    fit = dict(batch_size=4, shuffle=False, verbose=0)
+    for target, model in ((reference, reference), (parallel, template)):
+        _compile(target, 3)
+        optimizer = target.optimizer
+        target.fit(x, y, **fit)  # 4 steps: an update, then one accumulated for both layers
+        model.layers[0].trainable = False
+        target.compile(optimizer=optimizer, loss="mse")
+        target.fit(x[:8], y[:8], **fit)  # the update at step 6 leaves the first layer out
+        model.layers[0].trainable = True
+        target.compile(optimizer=optimizer, loss="mse")
+        target.fit(x[:12], y[:12], **fit)  # one more update of both
+    assert_same_weights(reference, template, atol=1e-6)
+    for a, b in zip(reference.optimizer.variables, parallel.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7, err_msg=a.path)
+
+
+class _AppliesGradientsOnly(keras.Model):
+    """A custom step that, once `bare`, calls `optimizer.apply(grads)` on the built optimizer, a form Keras documents."""
+
+    def __init__(self, gradients=None):
+        super().__init__()
+        self.net = _model(False)
+        self.tracker = keras.metrics.Mean(name="loss")
+        self.bare, self.gradients = False, gradients  # how many gradients to pass (all: None)
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self.net(x) - y))
+        grads = tape.gradient(loss, self.net.trainable_variables)
+        if self.bare:
+            self.optimizer.apply(grads[: self.gradients])
+        else:  # builds the optimizer
+            self.optimizer.apply(grads, self.net.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def _fit_bare(target, model, x, y):
+    """Fits `target` one epoch with variables passed (building the optimizer), then one with gradients only."""
+    target.compile(optimizer=keras.optimizers.Adam(learning_rate=0.05, gradient_accumulation_steps=3))
+    fit = dict(batch_size=4, epochs=1, shuffle=False, verbose=0)
+    losses = target.fit(x, y, **fit).history["loss"]
+    model.bare, target.train_function = True, None
+    return losses + target.fit(x, y, **fit).history["loss"]
+
+
+def test_multi_worker_accumulation_applies_gradients_without_variables():
+    """`optimizer.apply(grads)`: the variables the optimizer was built for (before: TypeError)."""
+    rng = np.random.default_rng(19)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    keras.utils.set_random_seed(5)
+    reference = _AppliesGradientsOnly()
+    keras.utils.set_random_seed(5)
+    template = _AppliesGradientsOnly()
+    expected = _fit_bare(reference, reference, x, y)
+    got = _fit_bare(worker_model(template), template, x, y)
+    assert_same_weights(reference, template, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_multi_worker_accumulation_refuses_too_few_gradients_without_variables():
+    template = _AppliesGradientsOnly(gradients=1)
+    data = np.ones((8, 5), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"needs a gradient for each of the 4 variables.*Received: len\(grads\)=1$"):
+        _fit_bare(worker_model(template), template, *data)

@@ -11,7 +11,8 @@ worker's part is empty). Phases:
 - adamw: AdamW with weight decay, global_clipnorm and a learning-rate schedule,
   steps=3, on a BatchNormalization model, 2 epochs then 2 more in a second fit
   call (20 steps): accumulations straddle an epoch's end and the two fit
-  calls, and the last two steps' sum is left unapplied.
+  calls, and the last two steps' sum is left unapplied. Biases are excluded
+  from weight decay (`exclude_from_weight_decay`).
 - refusal: use_ema with accumulation (workers only).
 
 The optimizer's variables (iterations, moments, the accumulators) are saved
@@ -61,6 +62,7 @@ schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=2, deca
 adamw = keras.optimizers.AdamW(
     schedule, weight_decay=0.1, global_clipnorm=0.5, gradient_accumulation_steps=3, name="adam_w"  # Keras 3.14 names it "adamw"
 )
+adamw.exclude_from_weight_decay(var_names=["bias"])  # not in the config: kept when re-created on a worker
 train("adamw", model(batchnorm=True), adamw, epochs=[2, 2])
 
 if not reference:

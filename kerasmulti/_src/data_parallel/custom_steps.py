@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 import warnings
 
 import keras
@@ -55,6 +56,7 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import step_merging as _step_merging
 from kerasmulti._src.data_parallel.packed_apply import PackedApply
+from kerasmulti._src.keras_private import optimizers as _private_optimizers
 from kerasmulti._src.utils.nesting import Nesting
 from kerasmulti._src.utils.patching import patched
 
@@ -70,6 +72,7 @@ class _Run:
     shares: list = []
     shards: list = []
     merge_device: str = "/cpu:0"
+    creators: list = []  # the tracing thread's variable creators (`_build_in_step`)
 
 
 _run = _Run()
@@ -123,6 +126,8 @@ def _optimizer_apply(optimizer, original, packed: bool, scaled_already: set):
         _compiled_calls.refuse(f"applies optimizer '{optimizer.name}'")
         if _updating_for_all.inside():
             return original(grads, trainable_variables)
+        if trainable_variables is not None:
+            _build_in_step(optimizer, trainable_variables)
         meeting = _replicas.rendezvous()
         by_scale_loss = (id(optimizer), _replicas.replica_id()) in scaled_already  # `scale_loss_by_share`
         share = tf.constant(1.0) if by_scale_loss else _share()
@@ -148,6 +153,26 @@ def _optimizer_apply(optimizer, original, packed: bool, scaled_already: set):
         meeting.all_gather(None, f"after {optimizer.name}.apply", merged=merged)
 
     return apply
+
+
+def _build_in_step(optimizer, variables) -> None:
+    """Builds `optimizer` for `variables` as its first `apply` would, its variables seen by the step's trace.
+
+    A replica's thread makes them through the tracing thread's variable
+    creators, as `tf.distribute`'s replicas do: `tf.function` then traces the
+    step again once they exist, as on one device. The first trace holds what
+    the unbuilt optimizer answered; `LossScaleOptimizer.scale_loss`, the
+    initial scale as a constant: kept, every step would scale by it.
+    """
+    with _building:  # by the first replica to get here; the others find it built
+        if optimizer.built:
+            return
+        with _private_optimizers.creating_variables_with(_run.creators), keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(list(variables))
+        optimizer.built = True
+
+
+_building = threading.Lock()
 
 
 def _share():
@@ -281,6 +306,7 @@ class CustomSteps:
             return logs
 
         _run.shares, _run.shards, _run.merge_device = shares, plan.shards, replicas.merge_device
+        _run.creators = _private_optimizers.variable_creators()
         with _replica_context(template, self.compiles):
             logs = replicas.run(plan, replica, synchronized=True)
         with tf.device(replicas.merge_device):

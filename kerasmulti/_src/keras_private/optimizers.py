@@ -7,6 +7,10 @@ each one exists with the signature kerasmulti calls it with.
 
 from __future__ import annotations
 
+import contextlib
+
+import tensorflow as tf
+
 # Not imports but private attributes of a Keras optimizer: multi-worker
 # gradient accumulation (`accumulation.py`) re-runs Keras' accumulating
 # `apply` with its synchronisation outside the `cond` that crashes under
@@ -27,6 +31,31 @@ OPTIMIZER_ATTRIBUTES = (
 # crashes: the scale and the count of finite steps are its state, undocumented
 # (no underscore, but no public API), as is `check_finite`.
 LOSS_SCALE_ATTRIBUTES = ("inner_optimizer", "dynamic_scale", "step_counter", "dynamic_growth_steps", "check_finite")
+
+
+# TensorFlow keeps the variable creators of the function being traced per
+# thread and graph (`Graph._variable_creator_stack`): through them
+# `tf.function` learns that its first trace made variables, and traces again
+# once they exist. A replica's thread starts with none; `tf.distribute` hands
+# its replica threads the caller's (`mirrored_run._enter_graph`), and
+# `custom_steps.py` hands them to the replica that builds an optimizer. No
+# public name reads or sets them.
+def variable_creators() -> list:
+    """The variable creators of this thread in the default graph (a copy): a function's being traced, or none."""
+    return list(tf.compat.v1.get_default_graph()._variable_creator_stack)
+
+
+@contextlib.contextmanager
+def creating_variables_with(creators: list):
+    """Inside: this thread makes variables through `creators` (from `variable_creators`, on another thread)."""
+    graph = tf.compat.v1.get_default_graph()
+    saved = graph._variable_creator_stack
+    graph._variable_creator_stack = list(creators)
+    try:
+        yield
+    finally:
+        graph._variable_creator_stack = saved
+
 
 def reinitialize(variable, value) -> None:
     """Makes `variable` anew with `value` in the current device scope, as Keras does (`assign` would not move it)."""
@@ -102,3 +131,32 @@ def sum_gradients_with(optimizer, function) -> None:
         optimizer._all_reduce_sum_gradients = function
 
 
+def carry_weight_decay_exclusions(source, target) -> None:
+    """Gives `target`, `source` re-created from its config, `source`'s `exclude_from_weight_decay` choices.
+
+    Keras keeps them outside the config (`_exclude_from_weight_decay`: variable
+    keys; `_exclude_from_weight_decay_pattern`: the names, compiled), so
+    `from_config` drops them; `exclude_from_weight_decay` itself takes
+    variables, not keys. A LossScaleOptimizer's inner optimizer's carry over too.
+    """
+    pairs = [(source, target)]
+    if hasattr(source, "inner_optimizer") and hasattr(target, "inner_optimizer"):
+        pairs.append((source.inner_optimizer, target.inner_optimizer))
+    for old, new in pairs:
+        for name in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+            if hasattr(old, name):
+                value = getattr(old, name)
+                setattr(new, name, set(value) if isinstance(value, set) else value)
+        vars(new).pop("_exclude_from_weight_decay_cache", None)
+
+
+def tensorflow_variable_key(variable):
+    """The key TensorFlow's Keras optimizers file `variable` under, before any optimizer exists.
+
+    `Optimizer._var_key` reads nothing of its optimizer (the TensorFlow
+    variable's `_unique_id`), so it runs unbound: variables re-created in a
+    strategy's scope get new keys, which `rekey_optimizer` maps.
+    """
+    import keras
+
+    return keras.optimizers.Optimizer._var_key(None, variable)

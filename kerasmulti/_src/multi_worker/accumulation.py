@@ -65,9 +65,14 @@ def check(optimizer, variables=()) -> None:
         )
 
 
-def apply(optimizer, grads, variables) -> None:
-    """`optimizer.apply_gradients` for an accumulating optimizer, in a replica's step."""
+def apply(optimizer, grads, variables=None) -> None:
+    """`optimizer.apply(grads, variables)` for an accumulating optimizer, in a replica's step.
+
+    Without `variables`, the variables the optimizer was built for, as Keras' `apply`.
+    """
     context = tf.distribute.get_replica_context()
+    if variables is None:
+        variables = _built_for(optimizer, grads)
     check(optimizer, variables)  # variables a model built after compile created
     scaler, optimizer = _scaler(optimizer), _inner(optimizer)
     grads, variables = keras_private.filter_empty_gradients(optimizer, grads, list(variables))
@@ -95,6 +100,17 @@ def apply(optimizer, grads, variables) -> None:
             variable.assign(tf.where(finite, variable.constraint(variable), variable))
     iterations = keras_private.optimizer_iterations(optimizer)
     iterations.assign_add(tf.cast(finite, iterations.dtype))
+
+
+def _built_for(optimizer, grads) -> list:
+    variables = keras_private.optimizer_trainable_variables(_inner(optimizer))
+    if len(grads) != len(variables):
+        raise ValueError(
+            f"optimizer.apply(grads) without variables needs a gradient for each of the {len(variables)} variables "
+            "the optimizer was built for, in their order. Pass the variables too: "
+            f"optimizer.apply(grads, variables). Received: len(grads)={len(grads)}"
+        )
+    return variables
 
 
 def _update(strategy, scaler, finite, optimizer, averaged, sums, variables, accumulators, learning_rate):
@@ -135,7 +151,9 @@ def _step(strategy, optimizer, averaged, sums, variables, accumulators, learning
                     each(variable, _decay, optimizer.learning_rate, optimizer.weight_decay)
         for grad, variable in zip(averaged, variables):
             each(variable, lambda var, g, lr: optimizer.update_step(g, var, lr), grad, learning_rate)
-        for accumulator in accumulators:
+        # Every accumulator, as Keras: a variable left out of this step (frozen
+        # meanwhile) must not keep a partial sum to apply once it trains again.
+        for accumulator in keras_private.accumulators(optimizer, keras_private.optimizer_trainable_variables(optimizer)):
             each(accumulator, lambda var: var.assign(tf.zeros_like(var)))
 
     def accumulate():

@@ -11,19 +11,27 @@ import keras
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
+from kerasmulti._src.keras_private import optimizers as _private_optimizers
+
+# An adopted variable's key in optimizers, old to new: an optimizer made
+# before `parallelize` names variables by key (`exclude_from_weight_decay(var_list=...)`).
+_new_keys: dict = {}
 
 
 def adopt_variables(variables) -> None:
     """Re-creates Keras variables in the current strategy scope, keeping their values."""
     for variable in variables:
         if not isinstance(variable.value, tf.distribute.DistributedValues):
+            old = _private_optimizers.tensorflow_variable_key(variable)
             keras_private.reinitialize(variable, variable.value.read_value())
+            _new_keys[old] = _private_optimizers.tensorflow_variable_key(variable)
 
 
 def optimizer_in_scope(optimizer, strategy):
     """`optimizer`, re-created inside `strategy`'s scope (with its state) if it was made outside."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer
+    keras_private.rekey_optimizer(optimizer, _new_keys)
     if keras_private.optimizer_strategy(optimizer, strategy) is strategy:
         return optimizer
     config = optimizer.get_config()
@@ -33,6 +41,7 @@ def optimizer_in_scope(optimizer, strategy):
         # class or a lambda that from_config cannot rebuild.
         config["learning_rate"] = learning_rate
     adopted = optimizer.__class__.from_config(config)
+    _private_optimizers.carry_weight_decay_exclusions(optimizer, adopted)
     if optimizer.built:
         adopted.build(keras_private.optimizer_trainable_variables(optimizer))
         for new, old in zip(adopted.variables, optimizer.variables):
