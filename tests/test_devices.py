@@ -140,6 +140,24 @@ def test_bad_devices_are_refused(devices, message):
         kerasmulti.parallelize(_model(), devices=devices)
 
 
+def test_a_gpu_name_without_gpus_is_answered_with_the_simulated_cpu_names():
+    # simulate_devices() makes CPU devices: '/gpu:0' can never exist here.
+    with pytest.raises(
+        kerasmulti.DeviceError,
+        match=r"Without GPUs, use '/cpu:0' to '/cpu:2', or kerasmulti\.simulate_devices\(n\) for n CPU devices\. Received: device='/gpu:0'$",
+    ):
+        with kerasmulti.device_scope("/gpu:0"):
+            pass
+
+
+def test_a_missing_device_on_a_gpu_machine_is_answered_with_the_known_ones(monkeypatch):
+    from kerasmulti._src import devices as _devices
+
+    monkeypatch.setattr(_devices, "known_devices", lambda: ["/device:CPU:0", "/device:GPU:0"])
+    with pytest.raises(kerasmulti.DeviceError, match=r"Known devices: /device:CPU:0, /device:GPU:0\. Use one of them\. Received: device='/gpu:1'$"):
+        _devices.resolve_device("/gpu:1", "device_scope()")
+
+
 def test_gpus_and_devices_together_are_refused():
     with pytest.raises(kerasmulti.DeviceError, match=r"either gpus= or devices=.*Received: gpus=2, devices=\['/cpu:0'\]"):
         kerasmulti.parallelize(_model(), gpus=2, devices=["/cpu:0"])

@@ -263,9 +263,19 @@ def _known_name(name, known: list[str], caller: str, received: str) -> str:
     if canonical not in known:
         raise DeviceError(
             f"{caller} got a device that does not exist. Known devices: {', '.join(known)}. "
-            f"Use one, or kerasmulti.simulate_devices(n). Received: {received}"
+            f"{_use_instead(known)} Received: {received}"
         )
     return canonical
+
+
+def _use_instead(known: list[str]) -> str:
+    """What to name instead of a missing device: without GPUs, the (simulated) CPU devices."""
+    if any("GPU" in name for name in known):
+        return "Use one of them."
+    cpus = sum("CPU" in name for name in known)
+    # simulate_devices() makes CPU devices, never GPUs: '/gpu:0' cannot be made to exist.
+    names = "'/cpu:0'" if cpus == 1 else f"'/cpu:0' to '/cpu:{cpus - 1}'"
+    return f"Without GPUs, use {names}, or kerasmulti.simulate_devices(n) for n CPU devices."
 
 
 def resolve_device(device: str, caller: str) -> str:

@@ -9,6 +9,12 @@ from kerasmulti._src.multi_worker import tf_config as _tf_config
 from kerasmulti._src.multi_worker.tf_config import LaunchError
 
 
+@pytest.mark.parametrize("hosts", [",", "", " , "])
+def test_hosts_that_name_no_worker_are_refused_before_the_index_is_checked(hosts):
+    with pytest.raises(LaunchError, match=rf"^--hosts names no worker\. List each as host:port, e.g\. --hosts a:2222,b:2222\. Received: hosts='{hosts}'$"):
+        _tf_config.parse_hosts(hosts, 0)
+
+
 def test_free_ports_are_distinct():
     ports = _tf_config.free_ports(5)
     assert len(set(ports)) == 5

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 DEFAULT_SIMULATED = 2
 INTERRUPTED = 130  # what a shell reports for SIGINT
@@ -28,8 +29,9 @@ GRACE_S = 5.0  # after Ctrl-C, how long the command may take to stop by itself
 class _CtrlC:
     """The SIGINT handler of `demo` and `predict`: KeyboardInterrupt, and a watchdog behind it."""
 
-    def __init__(self, message: str):
-        self.message = message
+    def __init__(self, message: str | Callable[[], str], stdout: _Stdout | None = None):
+        self.message = message  # a callable says it as things are when Ctrl-C is pressed
+        self.stdout = stdout
         self.pressed = False
         self._reported = threading.Lock()
         self._watchdog = None
@@ -52,12 +54,38 @@ class _CtrlC:
         """Prints the one line, once; False if it was printed already."""
         if not self._reported.acquire(blocking=False):
             return False
-        print(self.message, file=sys.stderr, flush=True)
+        try:
+            if self.stdout is not None and self.stdout.mid_line:  # a progress bar's: the line goes below it
+                self.stdout.end_line()
+            message = self.message() if callable(self.message) else self.message
+        except Exception:  # the watchdog must still say it and exit
+            message = "kerasmulti: interrupted"
+        print(message, file=sys.stderr, flush=True)
         return True
 
     def report_and_exit(self) -> None:
         if self.report():
             os._exit(INTERRUPTED)
+
+
+class _Stdout:
+    """`sys.stdout`, remembering whether its last line is unfinished (a progress bar's)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.mid_line = False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.mid_line = not text.endswith("\n")
+        return self.stream.write(text)
+
+    def end_line(self) -> None:
+        self.write("\n")
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def _int(text: str) -> int:
@@ -97,9 +125,10 @@ def _parser() -> argparse.ArgumentParser:
         help="without GPUs, split the CPU into N logical devices "
         f"(default {DEFAULT_SIMULATED}, or $KERASMULTI_SIMULATE_DEVICES)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    # Not required=True: argparse would name the missing command before an unknown option (`--bogus`).
+    commands = parser.add_subparsers(dest="command")
     demo = commands.add_parser("demo", help="train a convnet on the digits data set, data-parallel")
-    demo.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
+    demo.add_argument("--gpus", type=_positive_int, default=None, help="devices to use (default: all)")
     demo.add_argument("--epochs", type=_positive_int, default=5, help="epochs to train (default: 5)")
     demo.add_argument("--batch-size", type=_positive_int, default=128, help="rows per global batch (default: 128)")
     demo.add_argument("--output", default="kerasmulti-demo", help="folder for the saved model")
@@ -111,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("input", help="an .h5 file (with --dataset), an .npy file, or a folder of images")
     predict.add_argument("--output", required=True, help="HDF5 file for the results (resumed if it exists)")
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
-    predict.add_argument("--gpus", type=_int, default=None, help="devices to use (default: all)")
+    predict.add_argument("--gpus", type=_positive_int, default=None, help="devices to use (default: all)")
     predict.add_argument("--batch-size", type=_positive_int, default=32, help="rows per global batch (default: 32)")
     launch = commands.add_parser(
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
@@ -186,7 +215,10 @@ def main(argv: list[str] | None = None, _ignore_ctrl_c_after: bool = False) -> i
 
 
 def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error("the following arguments are required: command")
     # TensorFlow's C++ INFO lines (oneDNN, CPU features) drown the command's
     # output; warnings and errors still show. A value the user set wins. Set
     # here, not at import: a library leaves the user's process alone.
@@ -194,9 +226,12 @@ def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
     # The command is kerasmulti's own program: it runs Keras on TensorFlow
     # unless the user chose a backend (which keras_private then refuses).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    ctrl_c = _CtrlC(f"kerasmulti: interrupted{_after_interrupt(args)}")
     # The launcher stops its workers itself on Ctrl-C, and must not be cut short.
     watched = args.command in ("demo", "predict") and threading.current_thread() is threading.main_thread()
+    stdout = _Stdout(sys.stdout) if watched else None
+    if stdout is not None:
+        sys.stdout = stdout
+    ctrl_c = _CtrlC(lambda: f"kerasmulti: interrupted{_after_interrupt(args)}", stdout)
     previous = signal.signal(signal.SIGINT, ctrl_c) if watched else None
     try:
         code = _run_command(args, ctrl_c)
@@ -214,6 +249,8 @@ def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
             # `program` ignores Ctrl-C from here on: no gap in which one would kill a finished job.
             signal.signal(signal.SIGINT, signal.SIG_IGN if ignore_ctrl_c_after else previous)
         ctrl_c.stand_down()
+        if stdout is not None and sys.stdout is stdout:
+            sys.stdout = stdout.stream
     if code == INTERRUPTED or ctrl_c.pressed:
         # Also when TensorFlow swallowed the KeyboardInterrupt and the command ran on.
         ctrl_c.report()
@@ -222,14 +259,44 @@ def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
 
 
 def _after_interrupt(args) -> str:
-    """What the one line says after "interrupted": what was kept, and how to go on."""
+    """What the one line says after "interrupted": what was kept, and how to go on; said when Ctrl-C is pressed."""
     if args.command == "predict":
+        if not _holds_rows(args.output):
+            return "; no rows were written yet"
         return f"; the rows written so far stay in {args.output}: run the same command to go on"
     if args.command == "launch":
         from kerasmulti._src.multi_worker.supervisor import RESUME_HINT
 
         return f"; no worker is left running. {RESUME_HINT}"
     return ""
+
+
+def _holds_rows(path: str) -> bool:
+    """Whether `predict`'s output file exists and holds rows.
+
+    It may run in the watchdog while the main thread is stuck inside an import,
+    so it imports nothing: it reads the file with the writer's module if loaded.
+    """
+    if not os.path.isfile(path):
+        return False
+    output_file = sys.modules.get("kerasmulti._src.inference.output_file")
+    try:
+        with output_file.h5py.File(path, "r") as f:
+            return output_file.rows_done(f) > 0
+    except Exception:  # the writer is not loaded (so this run wrote nothing), or the file is not ours: it is kept
+        return True
+
+
+def _check_gpus(args, existing: list[str]) -> None:
+    """Refuses a `--gpus` beyond the devices there are, naming the flags that fix it."""
+    if args.gpus is None or args.gpus <= len(existing):
+        return
+    # Simulated devices are CPUs, which are not offered beside GPUs.
+    simulate = "" if any("GPU" in d for d in existing) else f", or put --simulate {args.gpus} before {args.command}"
+    raise ValueError(
+        f"--gpus {args.gpus} is more than the {len(existing)} devices there are ({', '.join(existing)}). "
+        f"Pass --gpus {len(existing)}{simulate}. Received: --gpus={args.gpus}"
+    )
 
 
 def _run_command(args, ctrl_c: _CtrlC) -> int:
@@ -243,7 +310,8 @@ def _run_command(args, ctrl_c: _CtrlC) -> int:
             return 2
     try:
         _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
-
+        if args.command != "devices":
+            _check_gpus(args, kerasmulti.available_devices())
         if args.command == "devices":
             for device in kerasmulti.available_devices():
                 print(device)

@@ -72,6 +72,8 @@ def tf_config(hosts: list[str], index: int) -> str:
 def parse_hosts(text: str, index: int | None) -> list[str]:
     """Validates `--hosts host1:port,host2:port` and `--index i`."""
     hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts:
+        raise LaunchError(f"--hosts names no worker. List each as host:port, e.g. --hosts a:2222,b:2222. Received: hosts={text!r}")
     for host in hosts:
         name, _, port = host.rpartition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
