@@ -136,6 +136,9 @@ def test_the_tf_data_pipeline_walk_still_sees_repeat_and_take():
     endless = tf.data.Dataset.range(4).repeat()
     assert type(endless.take_while(lambda x: x < 2)).__name__ == "_TakeWhileDataset"
     assert type(endless.concatenate(endless)).__name__ == "_ConcatenateDataset"
+    for stop in (False, True):
+        sampled = tf.data.Dataset.sample_from_datasets([endless, endless], stop_on_empty_dataset=stop)
+        assert type(sampled).__name__ == "_DirectedInterleaveDataset" and _keras_private.stops_on_empty(sampled) is stop
 
 
 def test_private_tensorflow_runtime_keeps_the_attributes_used():

@@ -284,6 +284,35 @@ def test_dict_outputs_take_targets_by_their_keys_not_their_layers_names():
     assert_same_weights(reference, template)
 
 
+class SubclassedShop(keras.Model):
+    """A subclassed model with dict outputs: its outputs are known only once it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.price, self.kind = keras.layers.Dense(1), keras.layers.Dense(2)
+
+    def call(self, x):
+        return {"price": self.price(x), "kind": self.kind(x)}
+
+
+def test_a_subclassed_model_with_dict_outputs_takes_dict_targets_as_one_device():
+    # The target check asked the parallel model for `output_names`, which a subclassed template lacks: AttributeError.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 4)), {"price": rng.normal(size=(8, 1)), "kind": rng.normal(size=(8, 2))}
+    models = []
+    for _ in range(2):
+        keras.utils.set_random_seed(4)
+        models.append(SubclassedShop())
+        models[-1](x[:1])
+    reference, template = models
+    parallel = kerasmulti.parallelize(template, gpus=simulated.DEVICES)
+    for model in (reference, parallel):
+        model.compile("sgd", "mse")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+
+
 @pytest.mark.parametrize("method, whole", [("train_on_batch", "fit"), ("test_on_batch", "evaluate"), ("predict_on_batch", "predict")])
 def test_the_on_batch_calls_refuse_a_dataset_naming_the_call_that_reads_one(method, whole):
     # A dataset failed in the split: "AttributeError: '_VariantDataset' object has no attribute 'shape'".

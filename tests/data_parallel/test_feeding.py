@@ -134,13 +134,16 @@ def test_shuffling_is_keras_own():
 
 
 @pytest.mark.parametrize("method, steps", [("fit", "steps_per_epoch"), ("evaluate", "steps"), ("predict", "steps")])
-@pytest.mark.parametrize("hidden", [False, True], ids=["repeat", "repeat-filter"])
+@pytest.mark.parametrize("hidden", ["repeat", "repeat-filter", "sample_from_datasets"])
 def test_an_endless_dataset_without_steps_is_refused_before_reading_it(method, steps, hidden):
     # Keras reads its first epoch forever; behind .filter() TensorFlow cannot even tell it is endless.
     x, _ = _data(16)
     data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat()
-    if hidden:
+    if hidden == "repeat-filter":
         data = data.filter(lambda a, b: a[0] > -100.0)
+    if hidden == "sample_from_datasets":  # drawing on from the endless input once the finite one is spent
+        data = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.from_tensor_slices((x, x[:, :1])), data], seed=1)
+    assert _feeding.endless(data.batch(4))  # else the call below would read forever, not fail
     parallel = kerasmulti.parallelize(_model(), gpus=DEVICES)
     parallel.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match=rf"{method}\(\) got a tf.data.Dataset as x that never ends.*Pass {steps}=.*Received: {steps}=None"):

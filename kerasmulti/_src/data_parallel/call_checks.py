@@ -259,13 +259,19 @@ def _output(model):
     return outputs[0] if outputs and len(outputs) == 1 else None
 
 
-def _output_keys(model) -> list:
-    """The names `y` is matched to outputs by: a dict of outputs' keys (Keras' own), else the output layers' names."""
+def _output_keys(model) -> list | None:
+    """The names `y` is matched to outputs by: a dict of outputs' keys (Keras' own), else the output layers' names.
+
+    None where neither is known (a subclassed model's outputs are known only once it runs).
+    """
     try:
         structure = model._template.output
     except (AttributeError, ValueError):
-        structure = None  # never called: a subclassed model
-    return sorted(structure) if isinstance(structure, dict) else list(model.output_names)
+        structure = None  # a subclassed model
+    if isinstance(structure, dict):
+        return sorted(structure)
+    names = getattr(model, "output_names", None)
+    return None if names is None else list(names)
 
 
 def _classes(model) -> int | None:
@@ -287,7 +293,7 @@ def _check_targets(method: str, model, x, y, argument: str) -> None:
             )
         return
     if isinstance(y, dict) and not isinstance(loss, (list, tuple)):
-        names = _output_keys(model)
+        names = _output_keys(model) or []
         needed = [n for n in names if loss.get(n) is not None] if isinstance(loss, dict) else names
         missing = [n for n in needed if n not in y]
         if missing:

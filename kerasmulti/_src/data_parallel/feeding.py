@@ -64,8 +64,12 @@ def _never_ends(dataset: tf.data.Dataset) -> bool:
         return int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY)  # Dataset.random(), a counter
     if kind == "_ConcatenateDataset":
         return any(_never_ends(d) for d in inputs)
-    # zip ends with its shortest input, sample_from_datasets can stop at an empty one;
-    # map, filter, batch and the like go on as long as their input.
+    if kind == "_DirectedInterleaveDataset":  # sample_from_datasets, choose_from_datasets
+        selector, *data = inputs
+        # Past an empty input it draws on from the others, unless told to stop there.
+        drawn_from = all if keras_private.stops_on_empty(dataset) is not False else any
+        return _never_ends(selector) and drawn_from(_never_ends(d) for d in data)
+    # zip ends with its shortest input; map, filter, batch and the like go on as long as their input.
     return all(_never_ends(d) for d in inputs)
 
 

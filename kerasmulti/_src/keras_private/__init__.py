@@ -185,6 +185,11 @@ def dataset_count(dataset):
     return None if count is None else int(count)
 
 
+def stops_on_empty(dataset):
+    """`sample_from_datasets`' `stop_on_empty_dataset` (`_DirectedInterleaveDataset._stop_on_empty_dataset`); None for others."""
+    return getattr(dataset, "_stop_on_empty_dataset", None)
+
+
 def own_metrics(layer) -> list:
     """The metrics a layer holds as attributes (`Layer._metrics`), not its sublayers'."""
     return list(getattr(layer, "_metrics", []))
