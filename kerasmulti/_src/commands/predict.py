@@ -52,14 +52,15 @@ def _model_from_file(path: str):
 
 def _check_output(path: str) -> None:
     """Refuses an --output that names no HDF5 file, in the command's words (parallel_predict() says output=)."""
-    if not path:
+    problem = _output_file.path_problem(path)
+    if problem == "empty":
         raise ValueError("--output is empty. Name the HDF5 file for the results, e.g. --output features.h5. Received: --output=''")
-    if path.lower().endswith((".npy", ".npz")):
+    if problem == "numpy":
         raise ValueError(
             f"--output is an HDF5 file, not numpy's format. Name it e.g. --output {os.path.splitext(path)[0]}.h5. "
             f"Received: --output={path!r}"
         )
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+    if problem == "folder":
         raise ValueError(
             f"--output is a folder. Name an HDF5 file in it, e.g. --output {os.path.join(path, 'features.h5')}. "
             f"Received: --output={path!r}"

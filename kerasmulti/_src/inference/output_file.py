@@ -48,23 +48,34 @@ def check_path(output) -> str:
             f"parallel_predict()'s output must be an HDF5 file path or None. Received: output={output!r}"
         )
     path = os.fspath(output)
-    if not path:
+    problem = path_problem(path)
+    if problem == "empty":
         raise ValueError(
             "parallel_predict() got an empty output path. Pass e.g. 'features.h5', or None. Received: output=''"
         )
-    if path.lower().endswith((".npy", ".npz")):
-        # Written anyway, it would be an HDF5 file that np.load cannot read.
+    if problem == "numpy":
         stem = os.path.splitext(path)[0]
         raise ValueError(
             f"parallel_predict() writes an HDF5 file, not numpy's format. Name it e.g. {stem + '.h5'!r}. "
             f"Received: output={path!r}"
         )
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+    if problem == "folder":
         raise ValueError(
             f"parallel_predict()'s output is a folder. Name an HDF5 file, e.g. "
             f"output={os.path.join(path, 'features.h5')!r}. Received: output={path!r}"
         )
     return path
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot name the output file ("empty", "numpy", "folder"), or None; callers say it in their words."""
+    if not path:
+        return "empty"
+    if path.lower().endswith((".npy", ".npz")):
+        return "numpy"  # written anyway, it would be an HDF5 file that np.load cannot read
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return "folder"
+    return None
 
 
 def check_not_input(data, output: str) -> None:
