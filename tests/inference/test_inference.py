@@ -500,6 +500,16 @@ def test_an_endless_repeat_behind_a_filter_is_refused_and_bounded_by_steps(tmp_p
         assert kerasmulti.parallel_predict(model, finite, verbose=0)[1].shape[0] in (8, 16)
 
 
+def test_a_pipeline_tensorflow_counts_infinite_but_that_ends_is_predicted_as_keras_predicts_it():
+    # sample_from_datasets stopping at its first empty input ends, though TensorFlow's count says INFINITE.
+    model, x = _two_outputs(), _data(10)
+    rows = tf.data.Dataset.from_tensor_slices(x)
+    data = tf.data.Dataset.sample_from_datasets([rows.repeat(), rows], seed=1, stop_on_empty_dataset=True).batch(4)
+    assert int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    expected = model.predict(data, verbose=0)
+    _assert_same(expected, kerasmulti.parallel_predict(model, data, verbose=0))
+
+
 def test_inputs_that_never_end_are_refused_at_once():
     model, x = _two_outputs(), _data(8)
     with pytest.raises(ValueError, match=r"never ends.*Received: data.cardinality\(\)=INFINITE"):

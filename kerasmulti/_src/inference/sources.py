@@ -258,17 +258,18 @@ class StreamedSource(Source):
 
 
 def _refuse_endless(data: tf.data.Dataset) -> None:
+    if not _feeding.endless(data):  # TensorFlow counts some that end INFINITE (sample_from_datasets, stopping)
+        return
     if int(data.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
             "parallel_predict() got a tf.data.Dataset that never ends. Pass steps= or drop `.repeat()`. "
             "Received: data.cardinality()=INFINITE"
         )
-    if _feeding.endless(data):
-        # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
-        raise ValueError(
-            "parallel_predict() got a tf.data.Dataset that repeats forever. Pass steps=, or give `.repeat()` a count. "
-            "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
-        )
+    # `repeat().filter(...)`: TensorFlow cannot tell it is endless, and it would be read forever.
+    raise ValueError(
+        "parallel_predict() got a tf.data.Dataset that repeats forever. Pass steps=, or give `.repeat()` a count. "
+        "Received: data.cardinality()=UNKNOWN with an endless .repeat()"
+    )
 
 
 FINGERPRINT_SAMPLES = 16
