@@ -55,7 +55,7 @@ from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import step_merging as _step_merging
-from kerasmulti._src.data_parallel.packed_apply import PackedApply
+from kerasmulti._src.data_parallel.packed_apply import PackedApply, build_optimizer
 from kerasmulti._src.keras_private import optimizers as _private_optimizers
 from kerasmulti._src.utils.nesting import Nesting
 from kerasmulti._src.utils.patching import patched
@@ -165,11 +165,7 @@ def _build_in_step(optimizer, variables) -> None:
     initial scale as a constant: kept, every step would scale by it.
     """
     with _building:  # by the first replica to get here; the others find it built
-        if optimizer.built:
-            return
-        with _private_optimizers.creating_variables_with(_run.creators), keras.name_scope(optimizer.name, caller=optimizer):
-            optimizer.build(list(variables))
-        optimizer.built = True
+        build_optimizer(optimizer, variables, _private_optimizers.creating_variables_with(_run.creators))
 
 
 _building = threading.Lock()

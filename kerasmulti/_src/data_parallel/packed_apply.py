@@ -59,12 +59,15 @@ class PackedApply:
             self.update(packed)
 
 
-def build_optimizer(optimizer, variables) -> None:
+def build_optimizer(optimizer, variables, scope=None) -> None:
     """Builds `optimizer` for `variables` as its `apply` would, if it is not built yet.
 
     Called before an update program is first traced: built inside that
     trace, the optimizer's new variables would make TensorFlow trace it twice.
+    `scope` (default `tf.init_scope()`, outside every trace) is where its
+    variables are made.
     """
     if not optimizer.built:
-        with tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
+        with scope or tf.init_scope(), keras.name_scope(optimizer.name, caller=optimizer):
             optimizer.build(list(variables))
+        optimizer.built = True
