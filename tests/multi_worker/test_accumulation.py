@@ -313,3 +313,14 @@ def test_multi_worker_accumulation_refuses_too_few_gradients_without_variables()
     data = np.ones((8, 5), "float32"), np.ones((8, 1), "float32")
     with pytest.raises(ValueError, match=r"needs a gradient for each of the 4 variables.*Received: len\(grads\)=1$"):
         _fit_bare(worker_model(template), template, *data)
+
+
+def test_multi_worker_refuses_gradients_without_variables_on_an_unbuilt_optimizer():
+    """Keras' `apply(grads)` refuses an unbuilt optimizer too (before: TypeError from its build)."""
+    template = _AppliesGradientsOnly()
+    template.bare = True
+    template.compile(optimizer=keras.optimizers.SGD(0.1))
+    data = np.ones((8, 5), "float32"), np.ones((8, 1), "float32")
+    with pytest.raises(ValueError, match=r"is not built: apply\(grads\) needs.*Received: trainable_variables=None$"):
+        worker_model(template).fit(*data, batch_size=4, verbose=0)
+    assert not template.optimizer.built

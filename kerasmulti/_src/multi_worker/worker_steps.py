@@ -1,12 +1,10 @@
 """The template's own steps across workers, in the strategy's replica context.
 
-A GAN's, a VAE's or the guide's `train_step` (and `test_step`,
-`predict_step`, `compute_loss`) runs unchanged on every replica of the
-cluster, on its part of each global batch, as `custom_steps.py` runs it on
-one process's devices and with the same numbers. `tf.distribute` runs such a
-step as it is, and its numbers are one device's only where the step scales
-its losses for the strategy and the batch splits evenly; kerasmulti changes
-these points, for the time of the step:
+A GAN's, a VAE's or the guide's `train_step` (and `test_step`, `predict_step`, `compute_loss`) runs
+unchanged on every replica of the cluster, on its part of each global batch, as `custom_steps.py` runs
+it on one process's devices and with the same numbers. `tf.distribute` runs such a step as it is, and
+its numbers are one device's only where the step scales its losses for the strategy and the batch splits
+evenly; kerasmulti changes these points, for the time of the step:
 
 - losses: Keras' loss objects divide by the replica count under a strategy,
   a hand-written mean does not. Neither is scaled here: each replica's loss
@@ -31,15 +29,13 @@ these points, for the time of the step:
   weighted by the shares and any other log is the first replica's, as in one
   process.
 
-A variable the step assigns itself (a step counter, a statistic of its rows)
-takes the first replica's value on every replica's copy, as in one process
-(the strategy would let each copy keep its own replica's). Random draws (a GAN's latent vectors, Dropout)
-come from the template's seed generators, whose copies are equal on every
-replica, so that with `tf.distribute` every replica draws the same numbers;
-here each replica adds its index to the seed (as the
-compiled step's replicas do), in Keras' own steps too. An unseeded draw (`keras.random.normal(shape)`) would create
-Keras' global seed generator inside the step, which the strategy cannot do:
-it is refused, saying to pass a generator the model owns.
+A variable the step assigns itself (a step counter, a statistic of its rows) takes the first replica's
+value on every replica's copy, as in one process (the strategy would let each copy keep its own
+replica's). Random draws (a GAN's latent vectors, Dropout) come from the template's seed generators,
+whose copies are equal on every replica, so that with `tf.distribute` every replica draws the same
+numbers; here each replica adds its index to the seed (as the compiled step's replicas do), in Keras'
+own steps too. An unseeded draw (`keras.random.normal(shape)`) would create Keras' global seed generator
+inside the step, which the strategy cannot do: it is refused, saying to pass a generator the model owns.
 """
 
 from __future__ import annotations
@@ -209,6 +205,11 @@ def _optimizer_apply(optimizer, original, scaled_already: set):
             grads = [_custom_steps.scaled(g, _share()) for g in grads]
         variables = list(trainable_variables) if trainable_variables is not None else None
         if not optimizer.built:
+            if variables is None:
+                raise ValueError(
+                    f"Optimizer '{optimizer.name}' is not built: apply(grads) needs its variables. Call "
+                    "optimizer.build(variables) first, or pass them. Received: trainable_variables=None"
+                )
             tf.distribute.get_replica_context().merge_call(lambda _: _build(optimizer, variables))
         if _accumulation.accumulates(optimizer):
             return _accumulation.apply(optimizer, grads, variables)
