@@ -113,6 +113,32 @@ def test_gradients_reach_every_branch_and_training_steps_are_placed():
     assert "" not in training
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+def test_a_gradient_penalty_and_a_persistent_tape_reach_placed_layers_as_unplaced_ones(compiled):
+    # WGAN-GP's penalty differentiates a gradient; a persistent tape is asked twice. Both
+    # asked a placed layer's inner tape a second time (before: "non-persistent GradientTape").
+    placed, plain = _towers(), _towers(placed=False)
+    plain.set_weights(placed.get_weights())
+    x = [tf.constant(a) for a in _pairs(shape=(5,))]
+
+    def penalty_and_gradients(model):
+        with tf.GradientTape() as outer, tf.GradientTape(persistent=True) as twice:
+            twice.watch(x)
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                score = model(x, training=True)
+            by_input = inner.gradient(score, x)
+            penalty = tf.reduce_mean(tf.square(tf.norm(by_input[0], axis=1) - 1.0)) + tf.reduce_mean(score)
+        by_weight = outer.gradient(penalty, model.trainable_variables)
+        return [penalty, *by_weight, *twice.gradient(penalty, x), *twice.gradient(penalty, model.trainable_variables)]
+
+    run = tf.function(penalty_and_gradients) if compiled else penalty_and_gradients
+    got, expected = run(placed), run(plain)
+    assert len(got) == 1 + 8 + 2 + 8 and all(g is not None for g in got)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_on_device_in_sequential_and_subclassed_models():
     class TwoDevices(keras.Model):
         def __init__(self):

@@ -349,6 +349,47 @@ def test_gpus_cuts_an_unplaced_model_into_stages_of_similar_cost_sharing_its_wei
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
+def test_the_model_cut_with_gpus_goes_on_training_without_xla_where_it_had_it():
+    # Its weights lie on several devices after the cut, which one XLA program cannot read
+    # (before: "Trying to access resource ... located in device CPU:1" at its next fit).
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    for target in (model, reference):
+        target.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kerasmulti.pipeline(model, gpus=2, microbatches=2)
+    assert not [w for w in caught if "jit_compile" in str(w.message)]  # the cut compiles its stages itself
+    assert {v.value.device[-5:] for v in model.weights} == {"CPU:0", "CPU:1"}
+    assert model.jit_compile is False
+    data = _data("dense")
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, model.fit(**data, **FIT).history)
+    np.testing.assert_allclose(model.predict(data["x"], verbose=0), reference.predict(data["x"], verbose=0), rtol=1e-5, atol=1e-6)
+    model.compile(optimizer="sgd", loss="mse")  # "auto" keeps XLA off for it, as for any placed model
+    assert model.jit_compile is False
+
+
+def test_mixing_layers_warn_with_micro_batches_and_one_micro_batch_takes_a_stateful_layer():
+    inputs = keras.Input((8, 8, 1))
+    flat = keras.layers.Flatten()(keras.layers.MixUp()(inputs))
+    with pytest.warns(UserWarning, match=r"mixes rows only within each micro-batch, unlike on one device.*Received: layer="):
+        kerasmulti.pipeline(keras.Model(inputs, keras.layers.Dense(1)(flat)), gpus=2, microbatches=4)
+    # One micro-batch splits nothing: a stateful RNN runs on the whole batch (before: refused as split).
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input(batch_shape=(4, 3, 2))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(3, stateful=True)(inputs)))
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=1)
+    x = np.random.default_rng().normal(size=(4, 3, 2)).astype("float32")
+    for _ in range(2):  # the second call starts from the state the first left
+        np.testing.assert_allclose(piped.predict(x, batch_size=4, verbose=0), reference.predict(x, batch_size=4, verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"cannot split the stateful layer"):
+        kerasmulti.pipeline(keras.models.clone_model(reference), gpus=2, microbatches=2)
+
+
 def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compiled(tmp_path):
     # One wrapper per layer (two would share a name, which Keras refuses); the model's
     # compile, optimizer and its state come along, as with a model loaded from a file.

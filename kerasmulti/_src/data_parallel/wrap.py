@@ -44,17 +44,15 @@ def _refuse_unsplittable(model, caller: str) -> None:
 _ROW_MIXING = ("MixUp", "CutMix")
 
 
-def warn_row_mixing(model, stacklevel) -> None:
+def warn_row_mixing(model, stacklevel, part: str = "replica's sub-batch") -> None:
     for layer in keras_private.flatten_layers(model, include_self=False):
         if type(layer).__name__ in _ROW_MIXING and type(layer).__module__.startswith("keras."):
             warnings.warn(
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes rows only within each "
-                "replica's sub-batch, unlike on one device. Apply it in the input pipeline. "
+                f"{part}, unlike on one device. Apply it in the input pipeline. "
                 f"Received: layer={layer.name!r}",
                 stacklevel=stacklevel + 1,
             )
-
-
 
 
 def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocation=False, split="even") -> LocalParallelModel:

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 
 from kerasmulti._src.devices import _canonical, known_devices
-from kerasmulti._src.keras_private import get_keras_mask, global_state, inbound_nodes, keras_history, set_keras_mask
+from kerasmulti._src.keras_private import get_keras_mask, global_state, inbound_nodes, keras_history, record, set_keras_mask
 from kerasmulti._src.model_parallel import scopes as _scopes
 
 _warned: set[str] = set()
@@ -248,8 +248,13 @@ def call_on_device(layer, device, inputs, args, kwargs):
     backward pass of the branch runs on the branch's device. Every tensor the
     call receives (`inputs`, and tensors among the other arguments, such as
     `MultiHeadAttention`'s `value`) goes through the custom gradient, so
-    gradients reach all of them.
+    gradients reach all of them. Its tape is persistent: a persistent outer
+    tape, or a gradient penalty (a gradient of a gradient), asks it again.
+    Where no tape records (predict), the layer is just called on `device`.
     """
+    if not record.could_possibly_record():
+        with _scopes.suspended(), tf.device(device):
+            return layer(inputs, *args, **kwargs)
     inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
     leaves = keras.tree.flatten((inputs, args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
@@ -261,7 +266,7 @@ def call_on_device(layer, device, inputs, args, kwargs):
         for i, tensor in zip(positions, tensors):
             call_leaves[i] = tensor
         call_inputs, call_args, call_kwargs = keras.tree.pack_sequence_as((inputs, args, kwargs), call_leaves)
-        with tf.GradientTape() as tape, _scopes.suspended(), tf.device(device):
+        with tf.GradientTape(persistent=True) as tape, _scopes.suspended(), tf.device(device):
             tape.watch([t for t in tensors if t.dtype.is_floating])
             outputs = layer(call_inputs, *call_args, **call_kwargs)
         results["outputs"] = outputs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import keras
 import tensorflow as tf
@@ -35,7 +36,7 @@ from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import relocation as _relocation
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel, unwrap
-from kerasmulti._src.data_parallel.wrap import check_model
+from kerasmulti._src.data_parallel.wrap import check_model, warn_row_mixing
 from kerasmulti._src.devices import DeviceError, known_devices, resolve_device, resolve_devices
 from kerasmulti._src.model_parallel import schedules as _schedules
 from kerasmulti._src.model_parallel import segments as _segments
@@ -226,14 +227,16 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
             "pipeline() of a parallel model is not built yet (docs/model-parallel.md). Pass its template. "
             f"Received: model={model.name!r}"
         )
-    check_model(model, "pipeline()")
     if not is_int(microbatches):
         raise TypeError(
             f"pipeline() takes microbatches as an int, such as 4. Received: microbatches={microbatches!r}"
         )
     if microbatches < 1:
         raise ValueError(f"pipeline() needs microbatches of at least 1. Received: microbatches={microbatches!r}")
+    check_model(model, "pipeline()", replicas=int(microbatches))  # one micro-batch: nothing is split
     template = unwrap(model)
+    if microbatches > 1:
+        warn_row_mixing(template, stacklevel=2, part="micro-batch")
     _schedules.check(schedule, template)
     placed = stage_devices(template)
     if gpus is None:
@@ -263,9 +266,21 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
         # Each stage's weights on its device, as device_scope creates them: a model too big for one device fits.
         devices = _variable_stages(template)
         _relocation.relocate(template, lambda variable: devices.get(id(variable)), sharing=[unwrap(model)])
+        _without_xla(unwrap(model))
     piped = PipelineModel(template, stages, int(microbatches), schedule)
     piped._adopt_template_compile()  # a compiled model (loaded from a file) comes compiled, its optimizer and all
     return piped
+
+
+def _without_xla(model: keras.Model) -> None:
+    """`model`'s own steps without XLA: its weights lie on several devices now, which one XLA program cannot read.
+
+    Keras' `jit_compile="auto"` reads `supports_jit`; a model compiled with XLA on gets its steps made again.
+    """
+    model.supports_jit = False
+    if getattr(model, "compiled", False) and model.jit_compile:
+        model.jit_compile = False
+        model.train_function = model.test_function = model.predict_function = None
 
 
 def _variable_stages(model: keras.Model) -> dict:
@@ -308,7 +323,9 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
     # as in device_scope: TensorFlow chooses its device (docs/model-parallel.md).
     piped = rebuilt(model, lambda layer, node: stages.get(id(layer), layer))
     if model.compiled:  # compiled as the model was, with its optimizer and its state
-        piped.compile(**dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
+        with warnings.catch_warnings():  # placed layers refuse XLA; the pipeline compiles each stage (`compile`)
+            warnings.filterwarnings("ignore", message="Model doesn't support `jit_compile=True`")
+            piped.compile(**dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
     return piped
 
 
