@@ -296,6 +296,42 @@ def test_the_probe_leaves_a_layers_own_counter_as_it_found_it(method):
     assert int(counter.calls.numpy()) == 2
 
 
+class _TrackedActivation(keras.layers.Layer):
+    """Updates a metric of its own in `call`: the mean of its outputs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.activation = keras.metrics.Mean(name="mean_activation")
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, t):
+        out = self.dense(t)
+        self.activation.update_state(out)
+        return out
+
+
+def _tracked(weights=None):
+    layer = _TrackedActivation()
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, layer(inputs))
+    if weights is not None:
+        model.set_weights(weights)
+    return model, layer.activation
+
+
+@pytest.mark.parametrize("feed", ["arrays", "dataset"])
+def test_the_probe_leaves_a_layers_own_metric_as_it_found_it(feed):
+    # The probe's rows (made-up ones for a dataset) were counted in the layer's metric: 76 rows, not 64.
+    x = np.random.default_rng().normal(size=(64, 6)).astype("float32")
+    data, batch_size = (tf.data.Dataset.from_tensor_slices(x).batch(16), None) if feed == "dataset" else (x, 16)
+    plain, expected = _tracked()
+    wrapped, got = _tracked(plain.get_weights())
+    plain.predict(data, batch_size=batch_size, verbose=0)
+    kerasmulti.parallelize(wrapped, gpus=2).predict(data, batch_size=batch_size, verbose=0)
+    assert float(got.count.numpy()) == float(expected.count.numpy()) == 64
+    np.testing.assert_allclose(got.result(), expected.result(), rtol=1e-5)
+
+
 class _Sampling(keras.layers.Layer):
     """A VAE's sampling layer: draws its noise at prediction time too."""
 

@@ -379,6 +379,25 @@ def test_scopes_nest_and_end_cleanly():
     assert keras.layers.Layer.__call__.__name__ == "__call__"  # the scope's hook is gone
 
 
+def test_a_scope_puts_back_a_layer_call_patched_after_kerasmulti_loaded(monkeypatch):
+    # A tracer's patch of Layer.__call__ runs inside the scope too and is still there after it
+    # (before: the scope put back the call kerasmulti found when it was imported).
+    scope = kerasmulti.device_scope  # loaded before the patch, as after any earlier use
+    traced, keras_call = [], keras.layers.Layer.__call__
+
+    def tracing_call(self, *args, **kwargs):
+        traced.append(self.name)
+        return keras_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.layers.Layer, "__call__", tracing_call)
+    inputs = keras.Input((3,))
+    with scope("/cpu:1"):
+        hidden = keras.layers.Dense(2, name="placed")(inputs)
+    keras.layers.Dense(1, name="after")(hidden)
+    assert keras.layers.Layer.__call__ is tracing_call
+    assert traced[0] == "placed" and traced[-1] == "after"
+
+
 def _masked_tweets(placement):
     """Embedding(mask_zero) then a shared LSTM over two padded sequences.
 

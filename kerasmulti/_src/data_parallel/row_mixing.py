@@ -130,12 +130,13 @@ def _put_back(template, assigned: dict):
     """Puts back what calls of `template` move: its variables and the unseeded draws' state.
 
     The non-trainable variables are a layer's own counters, statistics and
-    seed states; a weight a layer assigns in `call` (SpectralNormalization's
+    seed states, and its metrics' variables; a weight a layer assigns in `call` (SpectralNormalization's
     kernel) is listed in `assigned` (id: (variable, value before)) as it is
     assigned. A layer calling `keras.random` without a seed draws from Keras'
     global generator, which its first draw makes from Python's `random`.
     """
-    moved = list(template.non_trainable_variables)
+    # A layer's own metric (a Mean it updates in `call`) is moved too.
+    moved = list({id(v): v for v in [*template.non_trainable_variables, *template.metrics_variables]}.values())
     kept = [v.numpy() for v in moved]
     generator = keras_private.global_state.get_global_attribute(keras_private.GLOBAL_SEED_GENERATOR)
     state = generator.state.numpy() if generator is not None else None

@@ -24,6 +24,8 @@ from kerasmulti._src.devices import resolve_device
 from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.model_parallel.on_device import OnDevice, placed
 
+# What `Layer.__call__` and `Sequential.build` were when the first open scope installed
+# its own (Keras', or a user's patch made since kerasmulti was imported); put back after.
 _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
 _installed = 0
@@ -90,9 +92,10 @@ def _scoped_sequential_build(self, input_shape=None):
 
 @contextlib.contextmanager
 def _layer_calls_placed():
-    global _installed
+    global _installed, _original_call, _original_sequential_build
     with _install_lock:
         if _installed == 0:
+            _original_call, _original_sequential_build = keras.layers.Layer.__call__, keras.Sequential.build
             keras.layers.Layer.__call__ = _scoped_call
             keras.Sequential.build = _scoped_sequential_build
         _installed += 1
@@ -102,8 +105,10 @@ def _layer_calls_placed():
         with _install_lock:
             _installed -= 1
             if _installed == 0:
-                keras.layers.Layer.__call__ = _original_call
-                keras.Sequential.build = _original_sequential_build
+                if keras.layers.Layer.__call__ is _scoped_call:  # not patched again inside the block
+                    keras.layers.Layer.__call__ = _original_call
+                if keras.Sequential.build is _scoped_sequential_build:
+                    keras.Sequential.build = _original_sequential_build
 
 
 @contextlib.contextmanager
