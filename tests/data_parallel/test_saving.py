@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kerasmulti
+from kerasmulti._src import keras_private
 
 LOAD_WITHOUT_KERASMULTI = """
 import sys, numpy as np, keras
@@ -167,6 +168,30 @@ def test_saved_file_keeps_compile_settings_and_optimizer_state(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     y = np.zeros((20, 3), "float32")
     np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), parallel.evaluate(x, y, verbose=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit_compile", [True, "auto", False])
+def test_the_template_and_its_file_keep_the_jit_compile_asked_for(tmp_path, jit_compile):
+    # The template was compiled again with the parallel model's outer setting (False: the step
+    # spans the devices), so a template compiled with XLA lost it, and so did its saved file.
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    model.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    before = keras_private.compile_arguments(model)["jit_compile"]  # "auto" resolved: off on CPUs
+    kerasmulti.parallelize(model, gpus=DEVICES)  # comes compiled as the template was
+    assert keras_private.compile_arguments(model)["jit_compile"] == before == (jit_compile is True)
+    assert model.jit_compile is (jit_compile is True)
+    fresh = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    parallel = kerasmulti.parallelize(fresh, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    parallel.save(tmp_path / "model.keras")
+    assert keras.models.load_model(tmp_path / "model.keras").jit_compile is (jit_compile is True)
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    np.testing.assert_allclose(fresh.evaluate(x, y, verbose=0), parallel.evaluate(x, y, verbose=0), rtol=1e-5)
+    # With cpu_relocation its weights are on the host, which its own XLA step on a GPU could not read.
+    on_host = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    kerasmulti.parallelize(on_host, gpus=DEVICES, cpu_relocation=True).compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+    assert on_host.jit_compile is False
 
 
 def test_a_template_compiled_again_after_the_parallel_model_is_warned_about_once(recwarn):

@@ -79,3 +79,30 @@ def test_an_embeddings_rows_repeat_as_on_one_device(optimizer, jit_compile):
     x = np.array([[1, 2], [3, 4]] * DEVICES * 2, dtype="int32")
     y = np.random.default_rng().normal(size=(len(x), 6)).astype("float32")
     _assert_one_devices_numbers(build, optimizer, x, y, batch_size=2 * DEVICES, jit_compile=jit_compile)
+
+
+class _TokensAndPositions(keras.layers.Layer):
+    """keras.io's TokenAndPositionEmbedding: positions looked up at arange(length), once per batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens, self.positions = keras.layers.Embedding(20, 4), keras.layers.Embedding(6, 4)
+
+    def call(self, x):
+        return self.tokens(x) + self.positions(keras.ops.arange(0, keras.ops.shape(x)[1], 1))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_a_position_embeddings_rows_are_listed_once_as_on_one_device(optimizer, jit_compile):
+    # One device's gradient lists each position once, summed over the batch; every replica
+    # listed them all again, so Adam squared each replica's part (7.8e-4 off after one step).
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((6,), dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(_TokensAndPositions()(inputs))
+        return keras.Model(inputs, keras.layers.Dense(6)(pooled))
+
+    x = np.random.default_rng().integers(0, 20, size=(8 * DEVICES, 6)).astype("int32")
+    y = np.random.default_rng().normal(size=(len(x), 6)).astype("float32")
+    _assert_one_devices_numbers(build, optimizer, x, y, batch_size=4 * DEVICES, jit_compile=jit_compile)

@@ -14,6 +14,8 @@ process, `worker_steps.WorkerSteps` across workers).
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -57,6 +59,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         self._validates = None  # whether the running fit has validation data (`_fit_started`)
         self._fit_callbacks = []  # the running fit's callbacks (`_fit_started`)
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
+        self._template_on_host = False  # `cpu_relocation` moved the template's variables to the host
         if hasattr(template, "output_names"):
             self.output_names = template.output_names
         self.built = True
@@ -91,6 +94,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         if self._custom is not None:
             return self._compile_custom(args, kwargs, jit_compile)
         _call_checks.check_compile(args, kwargs)
+        requested = jit_compile
         jit_compile = self._outer_jit_compile(jit_compile, kwargs.get("run_eagerly", False))
         super().compile(*args, jit_compile=jit_compile, **kwargs)
         auto_scale_loss = kwargs.get("auto_scale_loss", True)
@@ -103,9 +107,14 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         # same in every process (it does not depend on whether a save ran).
         # Keras' compile config leaves auto_scale_loss out; without it the
         # template would wrap the shared optimizer in a LossScaleOptimizer.
-        self._template.compile(
-            **dict(keras_private.compile_arguments(self), optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
-        )
+        # Its `jit_compile` is the one asked for (for its own steps and files),
+        # off where `cpu_relocation` put its weights on the host.
+        arguments = keras_private.compile_arguments(self)
+        arguments.update(optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
+        arguments.update(jit_compile=False if self._template_on_host else requested)
+        with warnings.catch_warnings():  # a template Keras would not compile with XLA (placed layers)
+            warnings.filterwarnings("ignore", message="Model doesn't support `jit_compile=True`")
+            self._template.compile(**arguments)
 
     def _resolve_auto_jit_compile(self):
         # Keras' "auto" for a model never compiled (predict straight after

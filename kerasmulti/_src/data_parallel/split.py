@@ -261,9 +261,13 @@ def joined_rows(gradients: list, once: bool) -> tf.IndexedSlices:
 
 
 def listed_once(indices) -> bool:
-    """Whether a sparse gradient's rows come out of a `tf.unique`, read from the graph being traced.
+    """Whether one device's sparse gradient lists each of these rows once, read from the graph being traced.
 
-    False where that cannot be read (a step run eagerly): the rows are then joined as they are.
+    So it does where the rows come out of a `tf.unique` (a sparse input's
+    matmul), and where they do not depend on the batch's rows (a position
+    embedding looked up at `arange(length)`: one lookup for the whole batch,
+    whose rows every replica lists again). False where that cannot be read
+    (a step run eagerly): the rows are then joined as they are.
     """
     try:
         op = indices.op
@@ -271,4 +275,22 @@ def listed_once(indices) -> bool:
         return False
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "Unique"
+    return op.type == "Unique" or not _reads_rows(indices.op)
+
+
+def _reads_rows(op, limit: int = 5000) -> bool:
+    """Whether `op`'s output may depend on the batch's rows: not only on their shape, constants and variables."""
+    seen, stack = set(), [op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.type in ("Shape", "ShapeN", "Size", "Rank", "Const", "ReadVariableOp"):
+            continue
+        seen.add(op.name)
+        if len(seen) > limit or "Random" in op.type:  # random rows differ on every replica
+            return True
+        if not op.inputs:  # a source: the batch (a placeholder, an iterator), or a variable's handle
+            if op.type == "VarHandleOp" or (op.type == "Placeholder" and op.outputs[0].dtype == tf.resource):
+                continue
+            return True
+        stack.extend(t.op for t in op.inputs)
+    return False

@@ -70,6 +70,7 @@ def local_parallel(model, gpus=None, devices=None, cpu_merge=True, cpu_relocatio
         _relocation.relocate(model, lambda variable: "/cpu:0", optimizer_device="/cpu:0")
     merge_device = "/cpu:0" if cpu_merge else replica_devices[0]
     parallel = LocalParallelModel(model, replica_devices, merge_device, proportions)
+    parallel._template_on_host = cpu_relocation
     # A template that comes compiled (loaded from a .keras file) makes a compiled
     # parallel model, optimizer state and all: `if not parallel.compiled` tells the truth.
     parallel._adopt_template_compile()
