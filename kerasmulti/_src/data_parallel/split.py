@@ -278,6 +278,17 @@ def listed_once(indices) -> bool:
     return op.type == "Unique" or not _reads_rows(indices.op)
 
 
+def dense_if_listed_once(gradient):
+    """`gradient`, made dense if it is sparse with rows one device lists once (`listed_once`).
+
+    A strategy's all-reduce joins sparse rows as they are (the rows `sum_gradients` would sum
+    would repeat); dense, the sum keeps one device's numbers.
+    """
+    if isinstance(gradient, tf.IndexedSlices) and listed_once(gradient.indices):
+        return tf.convert_to_tensor(gradient)
+    return gradient
+
+
 def _reads_rows(op, limit: int = 5000) -> bool:
     """Whether `op`'s output may depend on the batch's rows: not only on their shape, constants and variables."""
     seen, stack = set(), [op]

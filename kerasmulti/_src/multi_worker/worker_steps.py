@@ -6,28 +6,23 @@ it on one process's devices and with the same numbers. `tf.distribute` runs such
 its numbers are one device's only where the step scales its losses for the strategy and the batch splits
 evenly; kerasmulti changes these points, for the time of the step:
 
-- losses: Keras' loss objects divide by the replica count under a strategy,
-  a hand-written mean does not. Neither is scaled here: each replica's loss
-  is the mean over its own rows, as on one process's replicas.
-- `optimizer.apply` (and `apply_gradients`): each replica's gradients are
-  multiplied by its share of the global batch's rows (by `scale_loss`, if the
-  step calls it: mixed precision's scaled loss) and summed across the
-  replicas; Keras' optimizer then clips the sum, checks it finite (mixed
-  precision) and applies it, as one process does (`apply_summed`). An optimizer built
-  by its first `apply` (a GAN's) builds in cross-replica context, where the
-  strategy can create its variables.
-- `metric.update_state` given scalars only (a tracker given a mean loss):
-  the replicas' values are merged as in one process (averaged by the shares;
-  a scalar `sample_weight`, Keras' row count, summed), and the first replica
-  makes the one update. Tensors with a row per batch row add up as they are.
-  `metric.result` reads the state summed over the replicas, as one device's
-  metric would hold it: a step's logs are the batch's, on every replica.
-- BatchNormalization is synchronised across the replicas; the gradient of
-  its statistics weighs each replica's upstream by that replica's share, as
-  `sync_batchnorm.py` does in one process.
-- the logs: Keras averages each across the replicas, so a scalar is
-  weighted by the shares and any other log is the first replica's, as in one
-  process.
+- losses: Keras' loss objects divide by the replica count under a strategy, a hand-written mean does
+  not. Neither is scaled here: each replica's loss is the mean over its own rows, as on one process's
+  replicas.
+- `optimizer.apply` (and `apply_gradients`): each replica's gradients are multiplied by its share of the
+  global batch's rows (by `scale_loss`, if the step calls it: mixed precision's scaled loss) and summed
+  across the replicas; Keras' optimizer then clips the sum, checks it finite (mixed precision) and
+  applies it, as one process does (`apply_summed`). An optimizer built by its first `apply` (a GAN's)
+  builds in cross-replica context, where the strategy can create its variables.
+- `metric.update_state` given scalars only (a tracker given a mean loss): the replicas' values are
+  merged as in one process (averaged by the shares; a scalar `sample_weight`, Keras' row count, summed),
+  and the first replica makes the one update. Tensors with a row per batch row add up as they are.
+  `metric.result` reads the state summed over the replicas, as one device's metric would hold it: a
+  step's logs are the batch's, on every replica.
+- BatchNormalization is synchronised across the replicas; the gradient of its statistics weighs each
+  replica's upstream by that replica's share, as `sync_batchnorm.py` does in one process.
+- the logs: Keras averages each across the replicas, so a scalar is weighted by the shares and any other
+  log is the first replica's, as in one process.
 
 A variable the step assigns itself (a step counter, a statistic of its rows) takes the first replica's
 value on every replica's copy, as in one process (the strategy would let each copy keep its own
@@ -52,6 +47,7 @@ from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled_calls as _compiled_calls
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import replicas as _replicas
+from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import step_merging as _step_merging
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
@@ -229,7 +225,8 @@ def apply_summed(optimizer, apply, grads, variables):
     and the optimizer passes it through instead of summing it again.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
-    summed = tf.distribute.get_replica_context().all_reduce("sum", [grads[i] for i in present]) if present else []
+    summed = [_split.dense_if_listed_once(grads[i]) for i in present]  # a position embedding's rows
+    summed = tf.distribute.get_replica_context().all_reduce("sum", summed) if present else []
     grads = list(grads)
     for i, g in zip(present, summed):
         grads[i] = g
