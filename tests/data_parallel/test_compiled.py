@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import kerasmulti
+from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import compiled as _compiled
 
 
@@ -94,6 +95,21 @@ def test_auto_follows_keras_and_keeps_synchronized_batchnorm_exact(monkeypatch):
     assert _compiled.resolve(plain, "auto", 2) is True
     assert _compiled.resolve(synced, "auto", 2) is False
     assert _compiled.resolve(plain, "auto", 1) is False
+
+
+def test_a_template_compiled_by_auto_on_a_gpu_is_wrapped_with_auto_again(monkeypatch):
+    # Keras records "auto" resolved (True with a GPU), in the template and its file. Wrapped
+    # (again, or once loaded), a model with synchronized BatchNormalization was refused.
+    inputs = keras.Input((2,))
+    hidden = keras.layers.BatchNormalization(synchronized=True)(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    monkeypatch.setattr(model, "_resolve_auto_jit_compile", lambda: True)  # as Keras does with a GPU
+    model.compile(optimizer="sgd", loss="mse")
+    assert keras_private.compile_arguments(model)["jit_compile"] is True
+    for _ in range(2):  # and wrapped again: the template keeps its "auto"
+        parallel = kerasmulti.parallelize(model, gpus=2)
+        assert parallel.replica_jit_compile is False and model.jit_compile is True
+        parallel.fit(np.ones((8, 2), "float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
 
 
 def test_xla_is_refused_where_it_cannot_hold_with_the_reason():

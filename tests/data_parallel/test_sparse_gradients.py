@@ -9,6 +9,8 @@ differ from one device. The sum keeps each kind as one device lists it.
 
 from simulated import DEVICES
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -92,10 +94,28 @@ class _TokensAndPositions(keras.layers.Layer):
         return self.tokens(x) + self.positions(keras.ops.arange(0, keras.ops.shape(x)[1], 1))
 
 
-def _positions_model():
+class _TokensAndBuckets(_TokensAndPositions):
+    """A relative-position bias's kind of lookup: rows that repeat, the same for every batch."""
+
+    def call(self, x):
+        return self.tokens(x) + self.positions(keras.ops.convert_to_tensor([0, 1, 1, 2, 0, 3]))
+
+
+class _TokensAndHeldPositions(_TokensAndPositions):
+    """Position ids held as a tensor (over 128 elements: a function captures it as an input, not a constant)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.position_ids = tf.range(240) % 6
+
+    def call(self, x):
+        return self.tokens(x) + self.positions(self.position_ids[: keras.ops.shape(x)[1]])
+
+
+def _positions_model(layer=_TokensAndPositions):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6,), dtype="int32")
-    pooled = keras.layers.GlobalAveragePooling1D()(_TokensAndPositions()(inputs))
+    pooled = keras.layers.GlobalAveragePooling1D()(layer()(inputs))
     return keras.Model(inputs, keras.layers.Dense(6)(pooled))
 
 
@@ -105,12 +125,16 @@ def _token_rows():
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize(
+    "layer", [_TokensAndPositions, _TokensAndBuckets, _TokensAndHeldPositions], ids=["positions", "repeated rows", "held"],
+)
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
-def test_a_position_embeddings_rows_are_listed_once_as_on_one_device(optimizer, jit_compile):
-    # One device's gradient lists each position once, summed over the batch; every replica
+def test_rows_looked_up_alike_for_every_batch_are_listed_as_on_one_device(optimizer, layer, jit_compile):
+    # One device's gradient lists each lookup once, summed over the batch; every replica
     # listed them all again, so Adam squared each replica's part (7.8e-4 off after one step).
     x, y = _token_rows()
-    _assert_one_devices_numbers(_positions_model, optimizer, x, y, batch_size=4 * DEVICES, jit_compile=jit_compile)
+    build = functools.partial(_positions_model, layer)
+    _assert_one_devices_numbers(build, optimizer, x, y, batch_size=4 * DEVICES, jit_compile=jit_compile)
 
 
 def test_across_workers_a_position_embeddings_rows_are_summed_as_on_one_device():

@@ -380,8 +380,8 @@ def test_scopes_nest_and_end_cleanly():
 
 
 def test_a_scope_puts_back_a_layer_call_patched_after_kerasmulti_loaded(monkeypatch):
-    # A tracer's patch of Layer.__call__ runs inside the scope too and is still there after it
-    # (before: the scope put back the call kerasmulti found when it was imported).
+    # A tracer's patch of Layer.__call__ is still there after the scope (before: the scope put
+    # back the call kerasmulti found when it was imported). Inside, layers run Keras' own call.
     scope = kerasmulti.device_scope  # loaded before the patch, as after any earlier use
     traced, keras_call = [], keras.layers.Layer.__call__
 
@@ -394,8 +394,28 @@ def test_a_scope_puts_back_a_layer_call_patched_after_kerasmulti_loaded(monkeypa
     with scope("/cpu:1"):
         hidden = keras.layers.Dense(2, name="placed")(inputs)
     keras.layers.Dense(1, name="after")(hidden)
+    assert keras.layers.Layer.__call__ is tracing_call and traced == ["after"]
+
+
+def test_a_layer_call_patched_inside_a_scope_does_not_loop_in_the_next(monkeypatch):
+    # A patch made inside a scope calls the scope's hook; the next scope, taking the patch for
+    # the call to run, called itself through it (RecursionError).
+    monkeypatch.setattr(keras.layers.Layer, "__call__", keras.layers.Layer.__call__)  # put back after the test
+    with kerasmulti.device_scope("/cpu:1"):
+        hook = keras.layers.Layer.__call__
+
+        def tracing_call(self, *args, **kwargs):
+            return hook(self, *args, **kwargs)
+
+        keras.layers.Layer.__call__ = tracing_call
+        keras.layers.Dense(2)(keras.Input((3,)))
+    assert keras.layers.Layer.__call__ is tracing_call  # left as the block left it
+    inputs = keras.Input((3,))
+    with kerasmulti.device_scope("/cpu:2"):
+        outputs = keras.layers.Dense(2, name="second")(inputs)
+    rows = {row["layer"]: row["device"] for row in kerasmulti.placement_summary(keras.Model(inputs, outputs)).rows}
+    assert rows["second"] == "/device:CPU:2"
     assert keras.layers.Layer.__call__ is tracing_call
-    assert traced[0] == "placed" and traced[-1] == "after"
 
 
 def _masked_tweets(placement):

@@ -321,6 +321,6 @@ def test_multi_worker_refuses_gradients_without_variables_on_an_unbuilt_optimize
     template.bare = True
     template.compile(optimizer=keras.optimizers.SGD(0.1))
     data = np.ones((8, 5), "float32"), np.ones((8, 1), "float32")
-    with pytest.raises(ValueError, match=r"is not built: apply\(grads\) needs.*Received: trainable_variables=None$"):
+    with pytest.raises(ValueError, match=r"is not built: pass apply\(\) the variables, or build it first\. Received: trainable_variables=None$"):
         worker_model(template).fit(*data, batch_size=4, verbose=0)
     assert not template.optimizer.built

@@ -65,7 +65,7 @@ def resolve(template, jit_compile, replicas: int) -> bool:
     check_jit_compile(jit_compile)
     if replicas < 2 or jit_compile is False:
         return False
-    blockers = _blockers(template)
+    blockers = xla_blockers(template)
     if jit_compile == "auto":
         return not blockers and template._resolve_auto_jit_compile()
     if blockers:
@@ -84,7 +84,8 @@ def check_jit_compile(jit_compile) -> None:
         )
 
 
-def _blockers(template) -> str:
+def xla_blockers(template) -> str:
+    """Why the replicas of `template` cannot run as XLA programs ("": they can)."""
     synchronized = synchronized_batchnorm(template)
     if synchronized:
         names = [layer.name for layer in synchronized]
@@ -268,9 +269,9 @@ class CompiledReplicas:
         """
         template = self._template
         if self._trainable:
-            dense, joined = iter(self._dense.unpack(_packing.summed(gradients))), iter(zip(*rows))
+            dense, joined = iter(self._dense.unpack(_packing.summed(gradients))), iter(zip(zip(*rows), self._shared))
             values = [
-                _joined(next(joined), variable) if sparse else next(dense)
+                _joined(*next(joined), variable) if sparse else next(dense)
                 for sparse, variable in zip(self._sparse, template.trainable_variables)
             ]
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
@@ -321,7 +322,9 @@ class CompiledReplicas:
             gradients = tape.gradient(scaled, trainable) if trainable else []
             self._connected = [g is not None for g in gradients]
             # An Embedding's gradient lists a row per lookup: those stay rows (`_apply`), packed they would be a table.
-            self._sparse = [isinstance(g, tf.IndexedSlices) and not _split.listed_once(g.indices) for g in gradients]
+            kinds = [_split.row_kind(g.indices) if isinstance(g, tf.IndexedSlices) else "dense" for g in gradients]
+            self._sparse = [kind in ("lookup", "shared") for kind in kinds]  # a "unique" one goes dense: no row repeats
+            self._shared = [kind == "shared" for kind in kinds if kind in ("lookup", "shared")]
             rows = [(g.values, g.indices) for g, sparse in zip(gradients, self._sparse) if sparse]
             dense = [(g, v) for g, v, sparse in zip(gradients, trainable, self._sparse) if not sparse]
             self._dense = _packing.Layout([v for _, v in dense])
@@ -351,10 +354,11 @@ def _warn_if_assigned(template, scope, given: list, merged_as_statistics: list) 
         )
 
 
-def _joined(rows, variable) -> tf.IndexedSlices:
-    """One variable's sparse gradient from each replica's (values, indices), joined (`split.joined_rows`)."""
+def _joined(rows, shared: bool, variable) -> tf.IndexedSlices:
+    """One variable's sparse gradient from each replica's (values, indices), joined as `split.sum_gradients` does."""
     shape = tf.constant(tuple(variable.shape))
-    return _split.joined_rows([tf.IndexedSlices(values, indices, shape) for values, indices in rows], once=False)
+    gradients = [tf.IndexedSlices(values, indices, shape) for values, indices in rows]
+    return _split.shared_rows(gradients) if shared else _split.joined_rows(gradients, once=False)
 
 
 def _with_masks(y_pred, masks):

@@ -233,12 +233,14 @@ def sum_gradients(gradients):
     """Sums one variable's gradients from all replicas (None where none has one).
 
     Sparse gradients (`IndexedSlices`) stay sparse, so a large table gets no
-    dense update a step, and keep the rows one device's gradient lists: an
-    `Embedding`'s lists a row once per lookup, so the replicas' rows are
-    joined and repeat as one device's do; a sparse input's matmul lists each
-    row once (its rows come out of a `tf.unique`), so the joined rows that
-    repeat are summed into one. The difference shows with optimizers that
-    are not linear in the gradient (Adagrad squares each listed row).
+    dense update a step, and keep the rows one device's gradient lists
+    (`row_kind`): an `Embedding`'s lists a row once per lookup, so the
+    replicas' rows are joined and repeat as one device's do; a sparse input's
+    matmul lists each row once (its rows come out of a `tf.unique`), so the
+    joined rows that repeat are summed into one; rows that do not depend on
+    the batch are every replica's alike, and their values are added. The
+    difference shows with optimizers that are not linear in the gradient
+    (Adagrad and Adam square each listed row).
     """
     present = [g for g in gradients if g is not None]
     if not present:
@@ -246,7 +248,10 @@ def sum_gradients(gradients):
     if all(isinstance(g, tf.IndexedSlices) for g in present):
         if len(present) == 1:
             return present[0]
-        return joined_rows(present, all(listed_once(g.indices) for g in present))
+        kinds = {row_kind(g.indices) for g in present}
+        if kinds == {"shared"}:
+            return shared_rows(present)
+        return joined_rows(present, kinds == {"unique"})
     return tf.add_n([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in present])
 
 
@@ -260,31 +265,53 @@ def joined_rows(gradients: list, once: bool) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, indices, gradients[0].dense_shape)
 
 
-def listed_once(indices) -> bool:
-    """Whether one device's sparse gradient lists each of these rows once, read from the graph being traced.
+def shared_rows(gradients: list) -> tf.IndexedSlices:
+    """Rows every replica lists alike (`row_kind` "shared"): one replica's, the values added.
 
-    So it does where the rows come out of a `tf.unique` (a sparse input's
-    matmul), and where they do not depend on the batch's rows (a position
-    embedding looked up at `arange(length)`: one lookup for the whole batch,
-    whose rows every replica lists again). False where that cannot be read
-    (a step run eagerly): the rows are then joined as they are.
+    Where their count is not known alike when traced, joined and summed
+    into one row each (as one device lists them, unless they repeat).
+    """
+    counts = {g.indices.shape[0] for g in gradients}
+    if len(counts) > 1 or None in counts:
+        return joined_rows(gradients, once=True)
+    return tf.IndexedSlices(tf.add_n([g.values for g in gradients]), gradients[0].indices, gradients[0].dense_shape)
+
+
+def row_kind(indices) -> str:
+    """How one device's sparse gradient lists these rows, read from the graph being traced.
+
+    "unique": they come out of a `tf.unique` (a sparse input's matmul), each
+    once. "shared": they do not depend on the batch's rows (a position
+    embedding looked up at `arange(length)`: one lookup for the whole batch),
+    so every replica lists the same ones. "lookup" otherwise (an `Embedding`'s,
+    a row per lookup), and where the graph cannot be read (a step run eagerly).
     """
     try:
         op = indices.op
     except AttributeError:  # an eager tensor
-        return False
+        return "lookup"
     while op.type in ("Reshape", "Identity", "Cast") and op.inputs:
         op = op.inputs[0].op
-    return op.type == "Unique" or not _reads_rows(indices.op)
+    if op.type == "Unique":
+        return "unique"
+    return "lookup" if _reads_rows(indices.op) else "shared"
+
+
+def _captured(op):
+    """The outside tensor a function's placeholder `op` stands for (an eager constant, the outer graph's), or None."""
+    for outside, inside in getattr(op.graph, "captures", ()):
+        if inside.op is op:
+            return outside
+    return None
 
 
 def dense_if_listed_once(gradient):
-    """`gradient`, made dense if it is sparse with rows one device lists once (`listed_once`).
+    """`gradient`, made dense if it is sparse with rows one device lists once or alike (`row_kind`).
 
-    A strategy's all-reduce joins sparse rows as they are (the rows `sum_gradients` would sum
-    would repeat); dense, the sum keeps one device's numbers.
+    A strategy's all-reduce joins sparse rows as they are; dense, the sum keeps
+    one device's numbers (where "shared" rows do not repeat, as positions do not).
     """
-    if isinstance(gradient, tf.IndexedSlices) and listed_once(gradient.indices):
+    if isinstance(gradient, tf.IndexedSlices) and row_kind(gradient.indices) != "lookup":
         return tf.convert_to_tensor(gradient)
     return gradient
 
@@ -299,8 +326,11 @@ def _reads_rows(op, limit: int = 5000) -> bool:
         seen.add(op.name)
         if len(seen) > limit or "Random" in op.type:  # random rows differ on every replica
             return True
-        if not op.inputs:  # a source: the batch (a placeholder, an iterator), or a variable's handle
+        if not op.inputs:  # a source: the batch (a placeholder, an iterator), a variable's handle, a constant
             if op.type == "VarHandleOp" or (op.type == "Placeholder" and op.outputs[0].dtype == tf.resource):
+                continue
+            captured = _captured(op)  # a tensor from outside the function: a constant, or the outer graph's
+            if captured is not None and (not tf.is_symbolic_tensor(captured) or not _reads_rows(captured.op, limit)):
                 continue
             return True
         stack.extend(t.op for t in op.inputs)

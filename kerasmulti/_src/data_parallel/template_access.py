@@ -77,6 +77,8 @@ class TemplateAccess:
             self._compile_as_template()
             return
         arguments = keras_private.compile_arguments(self._template)
+        if arguments.get("jit_compile") is True and _compiled.xla_blockers(self._template):
+            arguments["jit_compile"] = "auto"  # Keras records "auto" resolved (True with a GPU): it stays "auto"
         self.compile(**dict(arguments, optimizer=self._template.optimizer))
 
     @property

@@ -24,10 +24,13 @@ from kerasmulti._src.devices import resolve_device
 from kerasmulti._src.model_parallel import scopes as _scopes
 from kerasmulti._src.model_parallel.on_device import OnDevice, placed
 
-# What `Layer.__call__` and `Sequential.build` were when the first open scope installed
-# its own (Keras', or a user's patch made since kerasmulti was imported); put back after.
+# Keras' own, which the scope's hooks call; and what `Layer.__call__` and `Sequential.build`
+# were when the first open scope installed its hooks (a user's patch, made since kerasmulti
+# was imported), put back when the last closes. The hooks call Keras' own, not the patch:
+# a patch made inside a scope calls the hook, and would call itself through it.
 _original_call = keras.layers.Layer.__call__
 _original_sequential_build = keras.Sequential.build
+_found_call, _found_sequential_build = _original_call, _original_sequential_build
 _installed = 0
 _install_lock = threading.Lock()
 _warned: list[str] = []
@@ -92,10 +95,10 @@ def _scoped_sequential_build(self, input_shape=None):
 
 @contextlib.contextmanager
 def _layer_calls_placed():
-    global _installed, _original_call, _original_sequential_build
+    global _installed, _found_call, _found_sequential_build
     with _install_lock:
         if _installed == 0:
-            _original_call, _original_sequential_build = keras.layers.Layer.__call__, keras.Sequential.build
+            _found_call, _found_sequential_build = keras.layers.Layer.__call__, keras.Sequential.build
             keras.layers.Layer.__call__ = _scoped_call
             keras.Sequential.build = _scoped_sequential_build
         _installed += 1
@@ -106,9 +109,9 @@ def _layer_calls_placed():
             _installed -= 1
             if _installed == 0:
                 if keras.layers.Layer.__call__ is _scoped_call:  # not patched again inside the block
-                    keras.layers.Layer.__call__ = _original_call
+                    keras.layers.Layer.__call__ = _found_call
                 if keras.Sequential.build is _scoped_sequential_build:
-                    keras.Sequential.build = _original_sequential_build
+                    keras.Sequential.build = _found_sequential_build
 
 
 @contextlib.contextmanager

@@ -203,8 +203,8 @@ def _optimizer_apply(optimizer, original, scaled_already: set):
         if not optimizer.built:
             if variables is None:
                 raise ValueError(
-                    f"Optimizer '{optimizer.name}' is not built: apply(grads) needs its variables. Call "
-                    "optimizer.build(variables) first, or pass them. Received: trainable_variables=None"
+                    f"Optimizer '{optimizer.name}' is not built: pass apply() the variables, or build it first. "
+                    "Received: trainable_variables=None"
                 )
             tf.distribute.get_replica_context().merge_call(lambda _: _build(optimizer, variables))
         if _accumulation.accumulates(optimizer):
