@@ -125,10 +125,9 @@ def _token_rows():
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize(
-    "layer", [_TokensAndPositions, _TokensAndBuckets, _TokensAndHeldPositions], ids=["positions", "repeated rows", "held"],
-)
-@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+@pytest.mark.parametrize("optimizer, layer", [
+    ("adagrad", _TokensAndPositions), ("adam", _TokensAndPositions), ("adam", _TokensAndBuckets), ("adam", _TokensAndHeldPositions),
+], ids=["positions-adagrad", "positions-adam", "repeated rows-adam", "held positions-adam"])
 def test_rows_looked_up_alike_for_every_batch_are_listed_as_on_one_device(optimizer, layer, jit_compile):
     # One device's gradient lists each lookup once, summed over the batch; every replica
     # listed them all again, so Adam squared each replica's part (7.8e-4 off after one step).
