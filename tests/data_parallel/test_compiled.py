@@ -309,3 +309,31 @@ def test_a_frozen_batchnormalization_is_not_warned_about_under_xla():
         warnings.simplefilter("always")
         parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
     assert not [w for w in caught if "BatchNormalization" in str(w.message)]
+
+
+@pytest.mark.parametrize("frozen", [["head"], ["body", "head"]], ids=["last layer", "all"])
+def test_layers_frozen_at_the_end_keep_one_devices_numbers_under_xla(frozen):
+    # Frozen last, the variables keep their order but fewer are trainable: the replicas read the
+    # frozen ones as trainable, from the wrong device ("Trying to access resource ... CPU:0").
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh", name="body"), keras.layers.Dense(1, name="head")])
+
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+    reference, template = build(), build()
+    parallel = kerasmulti.parallelize(template, gpus=2)
+    results = []
+    for model, target in ((reference, reference), (template, parallel)):
+        target.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+        target.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        for name in frozen:
+            model.get_layer(name).trainable = False
+        results.append([target.evaluate(x, y, batch_size=8, verbose=0), target.predict(x, batch_size=8, verbose=0)])
+        target.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+        results[-1].append(target.fit(x, y, batch_size=8, shuffle=False, verbose=0).history["loss"])
+    assert parallel.replica_jit_compile
+    for got, expected in zip(results[1], results[0]):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)

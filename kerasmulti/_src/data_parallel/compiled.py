@@ -159,7 +159,8 @@ class CompiledReplicas:
         template = self._template
         trainable, state = template.trainable_variables, template.non_trainable_variables
         variables = trainable + state
-        if self._reads is not None and [id(v) for v in self._reads.variables] == [id(v) for v in variables]:
+        same = self._reads is not None and [id(v) for v in self._reads.variables] == [id(v) for v in variables]
+        if same and self._trainable == len(trainable):  # a frozen last layer keeps the order, not the count
             return
         self._reads = _packing.DeviceReads(variables)
         self._trainable = len(trainable)  # the first values of `_reads`; their gradients' layout is traced (`_dense`)
