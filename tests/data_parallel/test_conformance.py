@@ -214,6 +214,37 @@ def test_mixed_precision_matches_template(case, jit):
     assert_same_weights(reference, template, atol=1e-2)
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("when", ["set before, layers float32", "set after the model was built"])
+def test_a_float32_template_under_a_global_mixed_policy_predicts_and_trains_as_on_one_device(policy, when):
+    # The parallel model took the global policy: it cast the inputs to float16 or bfloat16 (1.6e-3
+    # off in predict) and, under mixed_float16, wrapped the optimizer in a LossScaleOptimizer.
+    dtype = {"dtype": "float32"} if when.startswith("set before") else {}
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(1, **dtype)(keras.layers.Dense(8, activation="tanh", **dtype)(inputs)), **dtype)
+
+    rng = np.random.default_rng()
+    x, y = (rng.normal(size=(16, 4)) * 1.2345678).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    try:
+        if dtype:
+            keras.config.set_dtype_policy(policy)
+        reference, template = build(), build()
+        keras.config.set_dtype_policy(policy)
+        parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+        for target in (reference, parallel):
+            target.compile(optimizer="sgd", loss="mse")
+        assert type(parallel.optimizer) is type(reference.optimizer)  # a LossScaleOptimizer where the model is mixed
+        np.testing.assert_allclose(parallel.predict(x, batch_size=8, verbose=0), reference.predict(x, batch_size=8, verbose=0), rtol=1e-6, atol=1e-7)
+        fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+        np.testing.assert_allclose(parallel.fit(x, y, **fit).history["loss"], reference.fit(x, y, **fit).history["loss"], rtol=1e-5)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert_same_weights(reference, template)
+
+
 def test_a_model_without_trainable_weights_is_warned_about_like_keras():
     template = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     template.trainable = False

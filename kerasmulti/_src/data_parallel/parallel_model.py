@@ -46,7 +46,9 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
     """
 
     def __init__(self, template, devices, merge_device, **kwargs):
-        super().__init__(name=f"parallel_{template.name}", **kwargs)
+        # The template's dtype policy, casting nothing: under a global mixed policy, a float32
+        # template gets its inputs as given and an optimizer without loss scaling, as on one device.
+        super().__init__(name=f"parallel_{template.name}", dtype=template.dtype_policy, autocast=False, **kwargs)
         self._template = template
         self._replica_devices = list(devices)
         self._merge_device = merge_device
