@@ -151,6 +151,36 @@ def test_model_whose_build_shape_cannot_run_is_refused():
         kerasmulti.parallelize(model, gpus=2)
 
 
+class ScalesItsTargets(keras.Model):
+    """A functional model holding a layer outside its graph, without weights, built at its first use (as
+    keras_hub's RetinaNet holds its label encoder)."""
+
+    def __init__(self):
+        inputs = keras.Input((4,))
+        super().__init__(inputs, keras.layers.Dense(2)(inputs))
+        self.scale = keras.layers.Rescaling(0.5)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return super().compute_loss(x, self.scale(y), y_pred, sample_weight, training)
+
+
+def test_a_functional_model_with_a_layer_built_at_its_first_use_trains_as_on_one_device():
+    # Refused before: the weights were made from the build config's shape, None for such a model.
+    keras.utils.set_random_seed(3)
+    reference, template = ScalesItsTargets(), ScalesItsTargets()
+    template.set_weights(reference.get_weights())
+    assert not template.scale.built
+    parallel = kerasmulti.parallelize(template, gpus=2)
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    for target in (reference, parallel):
+        target.compile(optimizer="sgd", loss="mse")
+    fit = dict(batch_size=4, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(parallel.fit(x, y, **fit).history["loss"], reference.fit(x, y, **fit).history["loss"], rtol=1e-5)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
 def _looks_across_rows():
     """The probe docs/data-parallel.md gives users, taken from the page itself."""
     from pathlib import Path

@@ -114,7 +114,10 @@ def _build_layers(model, caller: str) -> None:
         return
     shape = (model.get_build_config() or {}).get("input_shape")
     try:
-        inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s, dtype=model.input_dtype), shape)
+        if isinstance(model, keras_private.Functional):  # its own inputs (layers without weights may wait to be built)
+            inputs = model.input
+        else:
+            inputs = keras.tree.map_shape_structure(lambda s: keras.KerasTensor(s, dtype=model.input_dtype), shape)
         compute_output_spec(model, inputs, training=False)
     except Exception as error:
         raise ValueError(
