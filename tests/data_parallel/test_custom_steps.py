@@ -814,3 +814,26 @@ def test_a_log_of_unknown_rank_is_weighted_as_a_scalar_or_taken_from_the_first_r
 
     assert float(weighted(tf.constant(3.0))) == 1.5  # a scalar: times its share, x replicas (Keras averages them)
     np.testing.assert_array_equal(weighted(tf.constant([3.0, 4.0])).numpy(), [0.0, 0.0])  # not the first replica's
+
+
+class _SumsItsLoss(keras.Model):
+    """A loss of its own summed over the rows, divided by a count over the batch (keras_hub's RetinaNet's kind)."""
+
+    def __init__(self, reduction):
+        inputs = keras.Input((3,))
+        super().__init__(inputs, keras.layers.Dense(1)(inputs), name="sums_its_loss")
+        self.own_loss = keras.losses.MeanSquaredError(reduction=reduction)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return self.own_loss(y, y_pred) / keras.ops.maximum(keras.ops.sum(keras.ops.cast(y > 0, "float32")), 1.0)
+
+
+def test_a_loss_of_its_own_summed_over_the_rows_is_warned_about(recwarn):
+    # Each replica's loss counts by its rows: a sum over a count of the whole batch's is not one device's.
+    with pytest.warns(UserWarning, match=r"'sums_its_loss' computes its own loss with \['mean_squared_error'\], sums over the rows.*Received: reduction='sum'$") as record:
+        kerasmulti.parallelize(_SumsItsLoss("sum"), gpus=2).compile(optimizer="sgd")
+    assert [w.filename for w in record if "sums over" in str(w.message)] == [__file__]  # the user's line
+    recwarn.clear()
+    kerasmulti.parallelize(_SumsItsLoss("sum_over_batch_size"), gpus=2).compile(optimizer="sgd")
+    kerasmulti.parallelize(_SumsItsLoss("sum"), gpus=1).compile(optimizer="sgd")
+    assert not [w for w in recwarn if "sums over the rows" in str(w.message)]

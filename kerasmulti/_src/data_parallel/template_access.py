@@ -17,6 +17,7 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -54,6 +55,8 @@ class TemplateAccess:
         if jit_compile == "auto":
             jit_compile = getattr(self._template, "jit_compile", False) is True
         self._custom.compiles = jit_compile and not run_eagerly and self._replica_count() > 1
+        if self._replica_count() > 1:
+            _warn_if_summed_loss(self._template, self._custom.overridden)
         keras.Model.compile(
             self, optimizer=self._template.optimizer, jit_compile=False, auto_scale_loss=False,
             run_eagerly=run_eagerly, steps_per_execution=getattr(self._template, "steps_per_execution", 1),
@@ -159,3 +162,33 @@ def _warn_if_compiled_apart(model) -> None:
         f"Received: template.optimizer={type(optimizer).__name__}",
         stacklevel=4,
     )
+
+
+def _warn_if_summed_loss(template, overridden) -> None:
+    """Warns where a template computing its own loss holds a loss summed over the rows (keras_hub's RetinaNet).
+
+    Each replica's loss counts by its share of the rows (docs/data-parallel.md): exact for
+    means, not for a sum that the step divides by a count over the whole batch.
+    """
+    held = [v for k, v in vars(template).items() if k != "_compile_loss"]  # its own, and those compiled (`loss`)
+    held += [item for v in held if isinstance(v, (list, tuple)) or hasattr(v, "values") for item in _items(v)]
+    held = [v for v in held if isinstance(v, keras.losses.Loss)]
+    summed = [loss.name for loss in held if getattr(loss, "reduction", None) == "sum"]
+    if summed and {"compute_loss", "train_step"} & set(overridden):
+        warnings.warn(
+            f"'{template.name}' computes its own loss with {summed}, sums over the rows; replicas weigh theirs "
+            "by rows, unlike one device. Use means. Received: reduction='sum'",
+            stacklevel=_user_stacklevel(),
+        )
+
+
+def _items(value) -> list:
+    return list(value.values()) if hasattr(value, "values") and callable(value.values) else list(value)
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the first caller outside kerasmulti, for a warning raised where this is called."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("kerasmulti."):
+        frame, level = frame.f_back, level + 1
+    return level
