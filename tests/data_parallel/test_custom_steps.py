@@ -830,10 +830,26 @@ class _SumsItsLoss(keras.Model):
 
 def test_a_loss_of_its_own_summed_over_the_rows_is_warned_about(recwarn):
     # Each replica's loss counts by its rows: a sum over a count of the whole batch's is not one device's.
-    with pytest.warns(UserWarning, match=r"'sums_its_loss' computes its own loss with \['mean_squared_error'\], sums over the rows.*Received: reduction='sum'$") as record:
+    with pytest.warns(UserWarning, match=r"'sums_its_loss' runs its own steps with \['mean_squared_error'\], sums over the rows.*Received: reduction='sum'$") as record:
         kerasmulti.parallelize(_SumsItsLoss("sum"), gpus=2).compile(optimizer="sgd")
     assert [w.filename for w in record if "sums over" in str(w.message)] == [__file__]  # the user's line
+    # Keras' own train step, of a model overriding another step, with a compiled summed loss: the same.
+    evaluating = _OwnTestStep()
+    with pytest.warns(UserWarning, match=r"'own_test_step' runs its own steps with \['mean_squared_error'\]"):
+        kerasmulti.parallelize(evaluating, gpus=2).compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
     recwarn.clear()
     kerasmulti.parallelize(_SumsItsLoss("sum_over_batch_size"), gpus=2).compile(optimizer="sgd")
     kerasmulti.parallelize(_SumsItsLoss("sum"), gpus=1).compile(optimizer="sgd")
+    holding = _SumsItsLoss("sum_over_batch_size")
+    holding.adjacency = tf.sparse.eye(3)  # not a container of losses (before: TypeError, not iterable)
+    kerasmulti.parallelize(holding, gpus=2).compile(optimizer="sgd")
     assert not [w for w in recwarn if "sums over the rows" in str(w.message)]
+
+
+class _OwnTestStep(keras.Model):
+    def __init__(self):
+        inputs = keras.Input((3,))
+        super().__init__(inputs, keras.layers.Dense(1)(inputs), name="own_test_step")
+
+    def test_step(self, data):
+        return super().test_step(data)

@@ -359,7 +359,7 @@ def test_the_probe_leaves_a_layers_own_metric_as_it_found_it(feed):
     plain.predict(data, batch_size=batch_size, verbose=0)
     kerasmulti.parallelize(wrapped, gpus=2).predict(data, batch_size=batch_size, verbose=0)
     assert float(got.count.numpy()) == float(expected.count.numpy()) == 64
-    np.testing.assert_allclose(got.result(), expected.result(), rtol=1e-5)
+    np.testing.assert_allclose(got.result(), expected.result(), rtol=1e-5, atol=1e-7)  # a mean near 0
 
 
 class _Sampling(keras.layers.Layer):

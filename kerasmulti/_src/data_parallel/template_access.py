@@ -17,9 +17,10 @@ A mixin of `ParallelModel` (`parallel_model.py`), which holds the template as
 
 from __future__ import annotations
 
-import sys
+import inspect
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import keras
 
@@ -165,30 +166,25 @@ def _warn_if_compiled_apart(model) -> None:
 
 
 def _warn_if_summed_loss(template, overridden) -> None:
-    """Warns where a template computing its own loss holds a loss summed over the rows (keras_hub's RetinaNet).
+    """Warns where a template with steps of its own holds or is compiled with a loss summed over the rows (keras_hub's RetinaNet).
 
     Each replica's loss counts by its share of the rows (docs/data-parallel.md): exact for
     means, not for a sum that the step divides by a count over the whole batch.
     """
     held = [v for k, v in vars(template).items() if k != "_compile_loss"]  # its own, and those compiled (`loss`)
-    held += [item for v in held if isinstance(v, (list, tuple)) or hasattr(v, "values") for item in _items(v)]
-    held = [v for v in held if isinstance(v, keras.losses.Loss)]
-    summed = [loss.name for loss in held if getattr(loss, "reduction", None) == "sum"]
-    if summed and {"compute_loss", "train_step"} & set(overridden):
+    held += [item for v in held if isinstance(v, (list, tuple, Mapping)) for item in (v.values() if isinstance(v, Mapping) else v)]
+    summed = [v.name for v in held if isinstance(v, keras.losses.Loss) and getattr(v, "reduction", None) == "sum"]
+    if summed and overridden:
         warnings.warn(
-            f"'{template.name}' computes its own loss with {summed}, sums over the rows; replicas weigh theirs "
-            "by rows, unlike one device. Use means. Received: reduction='sum'",
+            f"'{template.name}' runs its own steps with {summed}, sums over the rows: replicas weigh theirs by "
+            "rows, exact for means only. Received: reduction='sum'",
             stacklevel=_user_stacklevel(),
         )
 
 
-def _items(value) -> list:
-    return list(value.values()) if hasattr(value, "values") and callable(value.values) else list(value)
-
-
 def _user_stacklevel() -> int:
     """The `stacklevel` of the first caller outside kerasmulti, for a warning raised where this is called."""
-    frame, level = sys._getframe(2), 2
+    frame, level = inspect.currentframe().f_back.f_back, 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith("kerasmulti."):
         frame, level = frame.f_back, level + 1
     return level
