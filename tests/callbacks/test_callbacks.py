@@ -677,7 +677,7 @@ def _dead_pid():
 
 
 @pytest.mark.parametrize("name", ["x" * 249 + ".keras", "é" * 120 + ".keras", "w" * 244 + ".weights.h5"])
-def test_a_temporary_fits_the_file_systems_name_limit_and_is_still_recognised(tmp_path, name):
+def test_a_temporary_fits_the_file_systems_name_limit_and_is_still_recognised(tmp_path, name, monkeypatch):
     # 255 bytes, the common limit, for the longest name Keras can write; é takes 2 bytes.
     from kerasmulti._src.utils import atomic as _atomic
 
@@ -686,9 +686,14 @@ def test_a_temporary_fits_the_file_systems_name_limit_and_is_still_recognised(tm
     base = os.path.basename(temporary)
     assert os.path.dirname(temporary) == str(tmp_path) and base.startswith("." + name[:100])
     assert len(os.fsencode(base)) <= 255 and base.endswith(".weights.h5" if "weights" in name else ".keras")
-    stale = temporary.replace(f"{os.getpid()}@", f"{_dead_pid()}@")
-    open(stale, "w").close()
-    assert _atomic.remove_stale_temporaries(str(tmp_path / name)) == [stale]
+    # Writers that are gone left their own (a pid of more digits, above Linux's pid_max: the name cut shorter).
+    stale = []
+    for dead in (_dead_pid(), 9_999_999):
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "getpid", lambda: dead)
+            stale.append(_atomic.temporary_path(str(tmp_path / name)))
+        open(stale[-1], "w").close()
+    assert sorted(_atomic.remove_stale_temporaries(str(tmp_path / name))) == sorted(stale)
 
 
 def test_a_checkpoint_with_the_longest_name_keras_writes_is_written(tmp_path):
