@@ -84,6 +84,14 @@ def check_jit_compile(jit_compile) -> None:
         )
 
 
+def compile_as_given(model, arguments: dict) -> None:
+    """`model.compile(**arguments)`, recording `jit_compile` as given without Keras' warning where `model`
+    refuses XLA (placed layers): its XLA runs elsewhere (per replica, per stage) or its copy's steps do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Model doesn't support `jit_compile=True`")
+        model.compile(**arguments)
+
+
 def xla_blockers(template) -> str:
     """Why the replicas of `template` cannot run as XLA programs ("": they can)."""
     synchronized = synchronized_batchnorm(template)

@@ -14,13 +14,12 @@ process, `worker_steps.WorkerSteps` across workers).
 
 from __future__ import annotations
 
-import warnings
-
 import keras
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
 from kerasmulti._src.data_parallel import call_checks as _call_checks
+from kerasmulti._src.data_parallel import compiled as _compiled
 from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import loss_parts as _loss_parts
 from kerasmulti._src.data_parallel import persistence as _persistence
@@ -114,9 +113,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         arguments = keras_private.compile_arguments(self)
         arguments.update(optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         arguments.update(jit_compile=False if self._template_on_host else requested)
-        with warnings.catch_warnings():  # a template Keras would not compile with XLA (placed layers)
-            warnings.filterwarnings("ignore", message="Model doesn't support `jit_compile=True`")
-            self._template.compile(**arguments)
+        _compiled.compile_as_given(self._template, arguments)
 
     def _resolve_auto_jit_compile(self):
         # Keras' "auto" for a model never compiled (predict straight after

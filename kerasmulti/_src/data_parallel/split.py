@@ -305,7 +305,7 @@ def _captured(op):
     return None
 
 
-def dense_if_listed_once(gradient):
+def dense_unless_per_lookup(gradient):
     """`gradient`, made dense if it is sparse with rows one device lists once or alike (`row_kind`).
 
     A strategy's all-reduce joins sparse rows as they are; dense, the sum keeps

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 
 import keras
 import tensorflow as tf
@@ -323,9 +322,8 @@ def cut(model: keras.Model, devices: list[str]) -> keras.Model:
     # as in device_scope: TensorFlow chooses its device (docs/model-parallel.md).
     piped = rebuilt(model, lambda layer, node: stages.get(id(layer), layer))
     if model.compiled:  # compiled as the model was, with its optimizer and its state
-        with warnings.catch_warnings():  # placed layers refuse XLA; the pipeline compiles each stage (`compile`)
-            warnings.filterwarnings("ignore", message="Model doesn't support `jit_compile=True`")
-            piped.compile(**dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
+        # Placed layers refuse XLA; the pipeline compiles each stage (`compile`).
+        _compiled.compile_as_given(piped, dict(keras_private.compile_arguments(model), optimizer=model.optimizer))
     return piped
 
 

@@ -225,7 +225,7 @@ def apply_summed(optimizer, apply, grads, variables):
     and the optimizer passes it through instead of summing it again.
     """
     present = [i for i, g in enumerate(grads) if g is not None]
-    summed = [_split.dense_if_listed_once(grads[i]) for i in present]  # a position embedding's rows
+    summed = [_split.dense_unless_per_lookup(grads[i]) for i in present]  # a position embedding's rows
     summed = tf.distribute.get_replica_context().all_reduce("sum", summed) if present else []
     grads = list(grads)
     for i, g in zip(present, summed):
