@@ -61,6 +61,36 @@ def test_a_failed_join_is_reported_where_the_cluster_is_needed(monkeypatch):
         _cluster.strategy()
 
 
+# TensorFlow 2.21's errors when a join times out, on the chief and on another worker.
+_BARRIER = (
+    "Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0. This usually happens because a task triggered "
+    "the barrier too early or too slowly.\n# of tasks that reached the barrier: 1/3.\nThe first task at the barrier: "
+    "/job:worker/replica:0/task:0. Some timed out task names:\n/job:worker/replica:0/task:2\n/job:worker/replica:0/task:1"
+    "\n\nAdditional GRPC error information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.CoordinationService/RegisterTask:\n:UNKNOWN:Error received from peer {grpc_status:4, ...}"
+)
+_UNANSWERED = (
+    "Deadline Exceeded\nAdditional GRPC error information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.CoordinationService/RegisterTask:\n:UNKNOWN:Error received from peer  {grpc_status:4, ...}"
+)
+
+
+@pytest.mark.parametrize(
+    "index, text, expected",
+    [(0, _BARRIER, "Barrier timed out. Not every worker joined within 7 s: worker 1 (b:2), worker 2 (c:3) (set"),
+     (1, _UNANSWERED, "Deadline Exceeded. Not every worker joined within 7 s: worker 0 (a:1) did not answer (set")],
+)
+def test_a_join_that_timed_out_names_the_workers_it_waited_for(monkeypatch, index, text, expected):
+    monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2", "c:3"], index))
+    monkeypatch.setenv("KERASMULTI_JOIN_TIMEOUT", "7")
+    monkeypatch.setattr(_cluster, "_start_error", tf.errors.DeadlineExceededError(None, None, text))
+    with pytest.raises(_cluster.ClusterError) as caught:
+        _cluster.strategy()
+    message = str(caught.value)
+    assert message.startswith(f"Joining the TF_CONFIG cluster failed: {expected}"), message
+    assert "\n" not in message and "GRPC" not in message
+
+
 def test_tf_config_set_after_the_import_is_explained(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _tf_config.tf_config(["a:1", "b:2"], 1))
     monkeypatch.setattr(_cluster, "_start_error", None)
@@ -148,6 +178,9 @@ def test_a_worker_whose_peers_never_start_stops_with_an_error(index):
     assert worker.returncode != 0
     assert "ClusterError" in stderr
     assert "Not every worker joined within 4 s" in stderr and "KERASMULTI_JOIN_TIMEOUT" in stderr
+    # Whom it waited for: the chief lists the others; another worker names the chief.
+    waited_for = f"worker 1 ({hosts[1]})" if index == 0 else f"worker 0 ({hosts[0]}) did not answer"
+    assert f"joined within 4 s: {waited_for} (set" in stderr
     assert f'Received: TF_CONFIG=\'{_tf_config.tf_config(hosts, index)}\'' in stderr
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -339,15 +340,37 @@ def _start_failure(parsed: dict) -> ClusterError:
             "process holds the port. Free it, or give the worker another port (under SLURM: "
             f"kerasmulti launch --port). Received: TF_CONFIG task={task}"
         )
-    # TensorFlow's messages run long: their first sentence says what happened.
-    reason = str(_start_error).strip().split(". ")[0].rstrip(".") or type(_start_error).__name__
+    # TensorFlow's messages run long (gRPC's details on lines of their own): their first sentence says what happened.
+    text = str(_start_error).strip()
+    reason = text.split("\n")[0].split(". ")[0].rstrip(".") or type(_start_error).__name__
     waited = ""
     if type(_start_error).__name__ in ("DeadlineExceededError", "AbortedError"):
-        waited = f" Not every worker joined within {join_timeout():g} s (set {ENV_JOIN_TIMEOUT} to wait longer)."
+        waited = (
+            f" Not every worker joined within {join_timeout():g} s{_missing(text, parsed)} "
+            f"(set {ENV_JOIN_TIMEOUT} to wait longer)."
+        )
     return ClusterError(
         f"Joining the TF_CONFIG cluster failed: {reason}.{waited} Check that every worker was started "
         f"and can reach the others. Received: TF_CONFIG={os.environ[ENV_CONFIG]!r}"
     )
+
+
+def _missing(text: str, parsed: dict) -> str:
+    """Whom a join that timed out waited for, from TensorFlow's message: ": worker 1 (host:port), ..." or ""."""
+    cluster = parsed["cluster"]
+
+    def named(job, index):
+        return f"{job} {index} ({cluster[job][index]})"
+
+    if "timed out task names:" in text:  # the coordination leader's barrier lists the tasks it waited for
+        listed = text.split("timed out task names:", 1)[1].split("\n\n")[0]
+        late = sorted({(job, int(i)) for job, i in re.findall(r"/job:(\w+)/replica:0/task:(\d+)", listed)})
+        late = [named(job, i) for job, i in late if i < len(cluster.get(job, []))]
+        return ": " + ", ".join(late) if late else ""
+    leader = "chief" if cluster.get("chief") else "worker"
+    if "RegisterTask" in text and cluster.get(leader):  # this task could not register with the leader
+        return f": {named(leader, 0)} did not answer"
+    return ""
 
 
 def _port_taken(error) -> bool:

@@ -123,8 +123,11 @@ def parallelize(
     strategy = _cluster.strategy()
     if strategy is not None:
         _wrap.check_model(model)
-        # Checked, though the strategy picks the devices.
-        if _balance.resolve(split, _devices.resolve_devices(gpus, devices)) is not None:
+        _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
+        if not (split is None or isinstance(split, str) and split == "even"):
+            # Any list is refused here, whatever its length: a weight that is not one first gets its own error.
+            weights = split.tolist() if hasattr(split, "tolist") else split
+            _balance.resolve(split, [""] * len(weights) if isinstance(weights, (list, tuple)) else [])
             raise ValueError(
                 "split= other than 'even' works in one process only. Leave split='even'. "
                 f"Received: split={split!r}"

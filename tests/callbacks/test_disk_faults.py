@@ -151,3 +151,32 @@ def test_a_read_only_file_system_is_named_as_such_at_construction(disk):
                 make()
     finally:
         disk.writable()
+
+
+def _no_file_there(path):
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+
+
+def test_a_folder_that_takes_no_file_is_not_said_to_be_removed(tmp_path):
+    # /proc, for root (who passes the construction's permission check), refuses a new file with ENOENT.
+    from kerasmulti._src.utils import atomic
+
+    target = str(tmp_path / "m.keras")
+    with pytest.raises(FileNotFoundError, match=r"\(No such file or directory\).*Its folder takes no new files.*Received: x=1"):
+        atomic.write(target, _no_file_there, "ParallelModelCheckpoint", "x=1")
+
+    def removed(path):
+        shutil.rmtree(tmp_path)
+        _no_file_there(path)
+
+    with pytest.raises(FileNotFoundError, match="Its folder was removed while the file was written"):
+        atomic.write(target, removed, "ParallelModelCheckpoint", "x=1")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="others are refused when the callback is made (test_callbacks.py)")
+def test_a_checkpoint_under_proc_fails_at_its_first_save_saying_why():
+    model, parallel, x, y = _setup()
+    path = f"/proc/kerasmulti-test-{os.getpid()}.keras"
+    with pytest.raises(FileNotFoundError, match=f"could not write '{path}'.*Its folder takes no new files"):
+        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(path)])
+    assert not os.path.exists(path)

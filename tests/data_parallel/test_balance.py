@@ -10,6 +10,7 @@ from simulated import DEVICES
 
 import glob
 import math
+import re
 import sys
 import time
 import warnings
@@ -203,13 +204,24 @@ def test_splits_a_user_would_expect_to_work_are_taken(split, expected):
     assert got is None if expected is None else got == pytest.approx(expected)
 
 
-def test_splits_other_than_even_are_refused_across_workers(monkeypatch):
+@pytest.mark.parametrize("split", ["auto", [2, 1], [1], np.array([1.0, 3.0, 1.0])], ids=str)
+def test_splits_other_than_even_are_refused_across_workers(monkeypatch, split):
+    # A list was first told to give one weight per device of the worker's own (1 here), then refused.
     from kerasmulti._src import parallelize as _parallelize
 
     monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    with pytest.raises(ValueError, match="works in one process only.*Received: split='auto'"):
-        kerasmulti.parallelize(model, split="auto")
+    with pytest.raises(ValueError, match=re.escape(f"works in one process only. Leave split='even'. Received: split={split!r}")):
+        kerasmulti.parallelize(model, gpus=1, split=split)
+
+
+def test_a_split_that_is_no_split_is_named_as_such_across_workers_too(monkeypatch):
+    from kerasmulti._src import parallelize as _parallelize
+
+    monkeypatch.setattr(_parallelize._cluster, "strategy", lambda: object())
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match=r"split must be 'even', 'auto' or a list of one positive weight.*Received: split=\[1, -1\]"):
+        kerasmulti.parallelize(model, split=[1, -1])
 
 
 def _slowed_model(factor, slow=("CPU:2",), ms_per_row=1.0, meeting=()):
@@ -251,6 +263,20 @@ def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "Epoch 2:" in printed and "/device:CPU:2" in printed and "imbalance" in printed
     assert glob.glob(str(tmp_path / "logs" / "throughput" / "events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("verbose", [1, 2, 0])
+def test_the_monitors_line_starts_a_line_of_its_own_under_the_progress_bar(capsys, verbose):
+    # Under verbose=1 it was printed onto the end of the epoch's unfinished progress bar.
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    x, y = _data(24)
+    capsys.readouterr()
+    parallel.fit(x, y, batch_size=12, epochs=1, verbose=verbose, callbacks=[kerasmulti.ThroughputMonitor()])
+    printed = capsys.readouterr().out
+    assert re.search(r"(^|\n)Epoch 1: \d+ samples/s", printed), printed
+    if verbose == 0:
+        assert printed.startswith("Epoch 1: ")  # no blank line before it where no bar is printed
 
 
 @pytest.mark.slow  # wall-clock ratios (sleeps standing for slow devices): not in the fast tier

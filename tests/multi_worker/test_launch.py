@@ -297,7 +297,7 @@ def test_the_notebook_launcher_refuses_once_tensorflow_ran():
     import tensorflow as tf
 
     tf.constant(1.0)  # TensorFlow runs here, whichever tests ran before
-    with pytest.raises(RuntimeError, match="Restart the kernel.*Received: TensorFlow initialised=True"):
+    with pytest.raises(kerasmulti.ClusterError, match="Restart the kernel.*Received: TensorFlow initialised=True"):
         kerasmulti.launch(print, workers=2)
 
 
@@ -399,7 +399,7 @@ def stop(code):
 for code in (3, 0, %d):
     try:
         print("launch returned", kerasmulti.launch(stop, args=(code,), workers=2), flush=True)
-    except RuntimeError as error:
+    except kerasmulti.ClusterError as error:  # a RuntimeError
         print("launch raised", error, flush=True)
 """ % _launch.UNSENDABLE
 

@@ -58,7 +58,7 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     try:
         results = kerasmulti.launch(train, args=(mode,), workers=2)
-    except RuntimeError as error:
+    except kerasmulti.ClusterError as error:  # a RuntimeError
         print(f"launch raised: {error}", flush=True)
         sys.exit(0)
     import numpy as np

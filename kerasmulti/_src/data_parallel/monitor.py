@@ -137,7 +137,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         record = self._record(epoch, figures, self._last - self._first, self._called)
         self.records.append(record)
         if self.verbose and _cluster.is_chief():
-            print(_line(record))
+            # On a line of its own, as Keras' ModelCheckpoint prints: the progress bar's last update comes after.
+            print(("\n" if (self.params or {}).get("verbose") == 1 else "") + _line(record))
         if self._log_dir is not None and _cluster.is_chief():
             self._write(record)
 

@@ -20,6 +20,7 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
+from kerasmulti._src.cluster import ClusterError
 from kerasmulti._src.multi_worker import parent_death
 from kerasmulti._src.multi_worker.supervisor import run_cluster
 from kerasmulti._src.multi_worker.tf_config import (
@@ -86,7 +87,7 @@ def launch(
             not a tuple or list, `workers` or `devices_per_worker` not a
             positive int, `max_restarts` not an int of 0 or more, or more
             GPUs are asked for than this machine has.
-        RuntimeError: If TensorFlow already ran in this process, or a worker
+        ClusterError: A `RuntimeError` if TensorFlow already ran in this process, or a worker
             failed (its traceback is printed above the error; the error ends
             with its exit code, e.g. `Received: exitcode=3` for `sys.exit(3)`),
             or SIGTERM stopped the workers after a `ParallelBackupAndRestore`
@@ -121,7 +122,7 @@ def launch(
     if _tensorflow_started():
         # Workers are forks of this process, and a process can join a
         # cluster only before TensorFlow's first op.
-        raise RuntimeError(
+        raise ClusterError(
             "launch() cannot start workers: TensorFlow already ran here. Restart the kernel, call "
             "launch() first and build models in the function. "
             "Received: TensorFlow initialised=True"
@@ -145,16 +146,16 @@ def launch(
     if failed is not None:
         sent = _received(receivers[failed])
         if isinstance(sent, _Unsendable):
-            raise RuntimeError(
+            raise ClusterError(
                 f"Worker {failed} finished, but its return value cannot be pickled to send it back (reason "
                 f"above). Return plain data, e.g. history.history, not a model. Received: type={sent.type_name}"
             )
         if processes[failed].returncode == REQUEUE_EXIT_CODE:
-            raise RuntimeError(
+            raise ClusterError(
                 "SIGTERM stopped the workers after they backed up the step they reached. Call launch() "
                 f"again to go on from there. Received: exitcode={REQUEUE_EXIT_CODE}"
             )
-        raise RuntimeError(
+        raise ClusterError(
             f"Worker {failed} of {workers} failed (output above, as [worker {failed}]); the others were stopped. "
             f"Received: exitcode={processes[failed].returncode}"
         )
@@ -162,7 +163,7 @@ def launch(
         receiver = receivers[index]
         receiver.join()
         if receiver.error is not None:
-            raise RuntimeError(
+            raise ClusterError(
                 f"Worker {index} finished, but its return value cannot be unpickled here "
                 f"({type(receiver.error).__name__}: {receiver.error}). Return plain data, e.g. "
                 f"history.history. Received: error={type(receiver.error).__name__}"

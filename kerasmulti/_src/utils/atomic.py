@@ -140,9 +140,12 @@ def _failed(error: OSError, temporary: str, target: str, caller: str, received: 
     code = code or error_code(error)
     # h5py's errors name the temporary: the user knows only the target.
     reason = os.strerror(code) if code else " ".join(str(error).replace(temporary, target).split())[:300]
+    fix = fix_for(code)
+    if code == errno.ENOENT and os.path.isdir(os.path.dirname(temporary)):  # the folder is there, yet took no file
+        fix = "Its folder takes no new files (a special file system, such as /proc): write to another folder."
     message = (
         f"{caller} could not write '{target}' ({reason}). The file that was there before, if any, "
-        f"is kept as it was, and no partial file is left in its place. {fix_for(code)} {then}".rstrip()
+        f"is kept as it was, and no partial file is left in its place. {fix} {then}".rstrip()
     )
     message += f" Received: {received}"
     return OSError(code, message) if code else OSError(message)  # OSError(code, ...) picks its subclass
