@@ -816,3 +816,39 @@ def test_a_damaged_hdf5_input_is_named(tmp_path):
     with h5py.File(tmp_path / "in.h5", "r") as f:
         with pytest.raises(ValueError, match=r"Rows 20 to 30 of '/x' could not be read: damaged file.*Rewrite it.*Received: input='.*in.h5'"):
             kerasmulti.parallel_predict(_two_outputs(), f["x"], batch_size=10, verbose=0)
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["parallel_predict", "parallelize"])
+def test_a_compiled_models_metrics_and_steps_are_left_as_found(wrap):
+    # Wrapping compiled the template again: its metrics' state was gone ("has not yet been
+    # built") and its train_function dropped, as if it had never trained.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 2)).astype("float32")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    before, step, optimizer = model.get_metrics_result(), model.train_function, model.optimizer
+    if wrap:
+        kerasmulti.parallelize(model, gpus=DEVICES).predict(x, verbose=0)
+    else:
+        kerasmulti.parallel_predict(model, x, verbose=0)
+    assert {k: float(v) for k, v in model.get_metrics_result().items()} == {k: float(v) for k, v in before.items()}
+    assert model.train_function is step and model.optimizer is optimizer
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_stateful_rnn_on_one_device_writes_what_model_predict_gives(tmp_path, batch):
+    # The file's layout came from a run on 2 sample rows: the RNN's state moved on before the first
+    # batch (every row wrong), or, with its batch size fixed at 4, TensorFlow refused the 2 rows.
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3, 2), batch_size=batch), keras.layers.SimpleRNN(3, stateful=True)])
+    x = np.random.default_rng().random((8, 3, 2)).astype("float32")
+    model.layers[0].reset_states()
+    expected = model.predict(x, batch_size=batch, verbose=0)
+    model.layers[0].reset_states()
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, x, batch_size=batch, gpus=1, output=path, verbose=0)
+    with h5py.File(path, "r") as f:
+        (name,) = [key for key in f if isinstance(f[key], h5py.Dataset)]
+        np.testing.assert_allclose(f[name][:], expected, rtol=1e-6, atol=1e-6)

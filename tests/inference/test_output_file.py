@@ -280,3 +280,86 @@ def test_an_hdf5_dataset_whose_file_is_closed_is_refused(tmp_path):
         dataset = f["x"]
     with pytest.raises(ValueError, match=r"got an h5py\.Dataset whose file is closed\. Keep the file open while it runs\. Received: data=<Closed HDF5 dataset>$"):
         kerasmulti.parallel_predict(_model(), dataset, verbose=0)
+
+
+class _Bounds:
+    """A plain object: a layer given one has a config Keras cannot serialise."""
+
+    def __init__(self, low, high):
+        self.low, self.high = low, high
+
+
+class _Clip(keras.layers.Layer):
+    def __init__(self, bounds, **kwargs):
+        super().__init__(**kwargs)
+        self.bounds = bounds
+
+    def call(self, x):
+        return keras.ops.clip(x, self.bounds.low, self.bounds.high)
+
+
+def _clipped(activation, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = _Clip(_Bounds(-5.0, 5.0))(keras.layers.Dense(4, activation=activation)(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+
+def test_a_model_whose_config_cannot_be_saved_is_still_told_apart_from_another(tmp_path):
+    # Such a model was known by its class alone ("Functional"): one with another activation
+    # and the same weights resumed the file, its rows mixed in with no word.
+    model, other, x = _clipped("relu"), _clipped("sigmoid"), _data(30)
+    other.set_weights(model.get_weights())
+    with pytest.raises(NotImplementedError):
+        model.get_config()
+    path = str(tmp_path / "out.h5")
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=4), output=path, verbose=0)
+    with pytest.raises(ValueError, match=r"different model"):
+        kerasmulti.parallel_predict(other, _Crashing(x), output=path, verbose=0)
+    kerasmulti.parallel_predict(_clipped("relu"), _Crashing(x), output=path, verbose=0)  # the same model again resumes it
+    with h5py.File(path, "r") as f:
+        np.testing.assert_allclose(f[model.output_names[0]][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+_HOLD_OPEN = "import sys, time, h5py\nf = h5py.File(sys.argv[1], 'r')\nprint('open', flush=True)\ntime.sleep(120)\n"
+
+
+@pytest.mark.parametrize("where", ["this process", "another process"])
+def test_a_file_open_elsewhere_is_not_called_damaged(tmp_path, where):
+    # h5py's lock error was taken for damage, with the advice to delete a file of good rows.
+    import subprocess
+    import sys
+
+    model, x = _model(), _data(30)
+    path = str(tmp_path / "out.h5")
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=4), output=path, verbose=0)
+    if where == "this process":
+        holder = h5py.File(path, "r")
+    else:
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_OPEN, path], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "open"
+    try:
+        with pytest.raises(ValueError, match=r"is open elsewhere .*Close it there and rerun. Received: output="):
+            kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)
+    finally:
+        holder.close() if where == "this process" else holder.kill()
+        if where != "this process":
+            holder.wait()
+    kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)  # closed, it resumes
+    _assert_file_holds(path, model, x)
+
+
+def test_a_file_that_cannot_be_written_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    model, x = _model(), _data(30)
+    path = str(tmp_path / "out.h5")
+    with pytest.raises(RuntimeError, match="the job died"):
+        kerasmulti.parallel_predict(model, _Crashing(x, crash_at=4), output=path, verbose=0)
+
+    def refused(_):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(_output_file, "reserve", refused)  # as for a file of mode 444, for a user other than root
+    with pytest.raises(ValueError, match=r"cannot be written \(Permission denied\). Make it writable, or choose another path"):
+        kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)

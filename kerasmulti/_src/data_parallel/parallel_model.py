@@ -110,6 +110,8 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         # template would wrap the shared optimizer in a LossScaleOptimizer.
         # Its `jit_compile` is the one asked for (for its own steps and files),
         # off where `cpu_relocation` put its weights on the host.
+        if self.__dict__.get("_adopting") and self.optimizer is self._template.optimizer and not self._template_on_host:
+            return  # compiled after the template, as it is (`_adopt_template_compile`)
         arguments = keras_private.compile_arguments(self)
         arguments.update(optimizer=self.optimizer, auto_scale_loss=auto_scale_loss)
         arguments.update(jit_compile=False if self._template_on_host else requested)

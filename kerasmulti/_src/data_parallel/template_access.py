@@ -83,7 +83,11 @@ class TemplateAccess:
         arguments = keras_private.compile_arguments(self._template)
         if arguments.get("jit_compile") is True and _compiled.xla_blockers(self._template):
             arguments["jit_compile"] = "auto"  # Keras records "auto" resolved (True with a GPU): it stays "auto"
-        self.compile(**dict(arguments, optimizer=self._template.optimizer))
+        self._adopting = True  # the template keeps its own compile (its metrics' state, its steps)
+        try:
+            self.compile(**dict(arguments, optimizer=self._template.optimizer))
+        finally:
+            self._adopting = False
 
     @property
     def metrics(self):

@@ -46,18 +46,30 @@ def model_fingerprint(model) -> str:
     for layer in keras_private.flatten_layers(model):
         for operation in [layer, *getattr(layer, "operations", [])]:
             places.setdefault(operation.name, f"operation {len(places)}")
-    try:
-        # Without placement's `layer_id`s: they name layer objects of this
-        # process, and a reloaded model must be the same model.
-        config = _renamed(_without_key(model.get_config(), "layer_id"), places)
-        architecture = f"{type(model).__qualname__}:{json.dumps(config, sort_keys=True)}"
-    except Exception:  # a subclassed model whose config cannot be serialised
-        architecture = f"{type(model).__module__}.{type(model).__qualname__}"
+    architecture = _architecture(model, places)
+    if architecture is None:  # one layer's config cannot be serialised: every layer's that can, in order
+        layers = [_architecture(layer, places) or _class_name(layer) for layer in keras_private.flatten_layers(model, include_self=False)]
+        architecture = f"{_class_name(model)}:{json.dumps(layers)}"
     digest = hashlib.sha256(architecture.encode())
     for weight in model.weights:
         digest.update(f"{tuple(weight.shape)}{weight.dtype}".encode())
         digest.update(np.ascontiguousarray(np.asarray(weight)).tobytes())
     return digest.hexdigest()
+
+
+def _architecture(layer, places: dict) -> str | None:
+    """A layer's (or model's) class and config, its layers' names replaced by their places; None if it has none to give."""
+    try:
+        # Without placement's `layer_id`s: they name layer objects of this
+        # process, and a reloaded model must be the same model.
+        config = _renamed(_without_key(layer.get_config(), "layer_id"), places)
+        return f"{type(layer).__qualname__}:{json.dumps(config, sort_keys=True)}"
+    except Exception:  # a subclass whose config cannot be serialised (an argument Keras cannot save)
+        return None
+
+
+def _class_name(layer) -> str:
+    return f"{type(layer).__module__}.{type(layer).__qualname__}"
 
 
 def _renamed(config, places: dict):

@@ -228,6 +228,11 @@ def open_existing(path: str, attributes: dict) -> h5py.File:
     try:
         reserve(path)
     except OSError as error:
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ValueError(
+                f"parallel_predict() cannot resume '{path}': it cannot be written ({os.strerror(error.errno)}). "
+                f"Make it writable, or choose another path; written rows stay. Received: output={path!r}"
+            ) from error
         raise ValueError(
             f"parallel_predict() cannot resume: the disk is full ({os.strerror(error.errno) if error.errno else error}). "
             f"Free space and rerun; written rows stay. Received: output={path!r}"
@@ -235,6 +240,11 @@ def open_existing(path: str, attributes: dict) -> h5py.File:
     try:
         f = h5py.File(path, "r+")
     except OSError as error:
+        if "unable to lock file" in str(error) or "file is already open" in str(error):  # another process, this one
+            raise ValueError(
+                f"'{path}' is open elsewhere (another process, or a handle of this one), so parallel_predict() "
+                f"cannot resume it. Close it there and rerun. Received: output={path!r}"
+            ) from error
         raise _damaged(path) from error
     try:
         _check_resumable(f, path, attributes)

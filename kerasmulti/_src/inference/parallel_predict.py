@@ -12,6 +12,7 @@ where the input's batches are known in advance.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -238,7 +239,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
         "kerasmulti_rows": source.rows,
     }
     sample = source.sample()
-    outputs = predict(sample)
+    outputs = _sample_outputs(predict, template, sample)
     names = _output_names(template, outputs)
     spec = [(np.shape(o)[1:], _output_file.file_dtype(np.asarray(o).dtype, name))
             for o, name in zip(tree.flatten(outputs), names)]
@@ -263,6 +264,21 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
             _output_file.set_rows_done(f, end)  # only after the rows are on disk
             f.flush()
             _fault_points.reached("predict:counter")
+
+
+def _sample_outputs(predict, template, sample):
+    """The outputs of the sample rows, which the file's layout is made from.
+
+    A model that holds a stateful layer (an RNN on one device) is run
+    symbolically: running it would move its state on before the first batch.
+    """
+    if any(getattr(layer, "stateful", False) for layer in keras_private.flatten_layers(template)):
+        with contextlib.suppress(Exception):  # a model Keras cannot run symbolically is run
+            symbolic = tree.map_structure(lambda a: keras.KerasTensor((None, *np.shape(a)[1:]), dtype=np.asarray(a).dtype.name), sample)
+            outputs = template.compute_output_spec(symbolic)
+            if all(None not in tuple(t.shape[1:]) for t in tree.flatten(outputs)):
+                return tree.map_structure(lambda t: np.zeros((1, *t.shape[1:]), dtype=t.dtype), outputs)
+    return predict(sample)
 
 
 def _check_row_shapes(template, source, sample, names, spec, output) -> None:

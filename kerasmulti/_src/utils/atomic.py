@@ -130,7 +130,7 @@ _FIXES = {
     errno.EROFS: "Its file system is read-only: remount it writable, or write to another folder.",
     errno.EACCES: "Make the folder writable for this user, or write to another folder.",
     errno.EPERM: "Make the folder writable for this user, or write to another folder.",
-    errno.ENOENT: "Its folder was removed while the file was written: keep it in place while training runs.",
+    errno.ENOENT: "Its folder was removed while the file was written: keep it in place while the job runs.",
     errno.ENOTDIR: "A file stands where a folder of its path should be: remove it, or write to another folder.",
 }
 
