@@ -852,3 +852,26 @@ def test_a_stateful_rnn_on_one_device_writes_what_model_predict_gives(tmp_path, 
     with h5py.File(path, "r") as f:
         (name,) = [key for key in f if isinstance(f[key], h5py.Dataset)]
         np.testing.assert_allclose(f[name][:], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_refusals_of_a_model_name_parallel_predict():
+    # They named parallelize(), which the user never called.
+    with pytest.raises(ValueError, match=r"^parallel_predict\(\) needs a built model.*Received: model='.*' with built=False"):
+        kerasmulti.parallel_predict(keras.Sequential([keras.layers.Dense(2)]), np.ones((4, 3), "float32"), verbose=0)
+    stateful = keras.Sequential([keras.Input((3, 2), batch_size=4), keras.layers.SimpleRNN(3, stateful=True)])
+    with pytest.raises(ValueError, match=r"^parallel_predict\(\) cannot split the stateful layer"):
+        kerasmulti.parallel_predict(stateful, np.ones((8, 3, 2), "float32"), batch_size=4, gpus=2, verbose=0)
+
+
+def test_an_index_past_an_embeddings_rows_is_refused_as_parallelize_refuses_it(tmp_path):
+    # TensorFlow's own error named a row of one replica's share, several pages long.
+    keras.utils.set_random_seed(2)
+    tokens = keras.Input((4,), dtype="int32")
+    model = keras.Model(tokens, keras.layers.Dense(2)(keras.layers.Flatten()(keras.layers.Embedding(10, 3)(tokens))))
+    x = np.random.default_rng().integers(0, 10, size=(50, 4)).astype("int32")
+    x[37, 2] = 50
+    for output in (None, str(tmp_path / "out.h5")):
+        with pytest.raises(ValueError, match=r"^parallel_predict\(\) got index 50 for Embedding '.*' \(rows 0 to 9\). Raise input_dim"):
+            kerasmulti.parallel_predict(model, x, batch_size=16, output=output, verbose=0)
+    x[37, 2] = 9
+    np.testing.assert_allclose(kerasmulti.parallel_predict(model, x, batch_size=16, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)

@@ -233,6 +233,18 @@ def _check_input(method: str, template, name: str, tensor, array: np.ndarray, ar
         _check_indices(method, template, tensor, array, argument)
 
 
+def check_indices(method: str, template, x, argument: str) -> None:
+    """Refuses a batch's integers past the rows of an `Embedding` that reads them (TensorFlow's error names a replica's row)."""
+    try:
+        paired = _paired(method, template, x, argument)
+    except ValueError:
+        return  # a batch that does not fit the inputs: the model's own call says so
+    for _, tensor, array in paired:
+        array = np.asarray(array)
+        if np.issubdtype(array.dtype, np.integer) and array.size:
+            _check_indices(method, template, tensor, array, argument)
+
+
 def _check_indices(method: str, template, tensor, array: np.ndarray, argument: str) -> None:
     """Refuses indices past the rows of an `Embedding` that reads the input as given."""
     for layer in template.layers:

@@ -25,6 +25,7 @@ from keras import tree
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
+from kerasmulti._src.data_parallel.call_checks import check_indices
 from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import unwrap
@@ -203,7 +204,7 @@ def parallel_predict(
     verbose = 1 if verbose == "auto" else verbose
     predict = _predictor(parallel)
     if output is None:
-        collected = [batch for batch, _ in _predicted_batches(predict, source, 0, batch_size, verbose)]
+        collected = [batch for batch, _ in _predicted_batches(predict, template, source, 0, batch_size, verbose)]
         return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
     _output_file.check_not_input(data, output)
     _output_file.check_extra_rows(extra, source.rows)
@@ -252,7 +253,7 @@ def _stream(predict, template, source, output, batch_size, verbose, extra) -> No
         if resumed:
             names = _output_file.resumed_names(f, output, names, extra)
         done = _output_file.rows_done(f)
-        for batch, (begin, end) in _predicted_batches(predict, source, done, batch_size, verbose):
+        for batch, (begin, end) in _predicted_batches(predict, template, source, done, batch_size, verbose):
             values = [np.asarray(v) for v in tree.flatten(batch)]
             for name, value in zip(names, values):  # all checked before any is written
                 if value.shape[1:] != f[name].shape[1:]:
@@ -328,7 +329,7 @@ def _parallel_of(model, gpus, devices) -> LocalParallelModel:
     """
     # In a cluster too, inference runs on this worker's devices alone.
     key = tuple(resolve_devices(gpus, devices, caller="parallel_predict()"))
-    check_model(model, replicas=len(key))  # the errors parallelize() gives, in its order
+    check_model(model, "parallel_predict()", replicas=len(key))  # the errors parallelize() gives, in its order
     # Only outside an autocast scope (as here) is `value` the variable itself.
     built_on = [*keras_private.flatten_layers(model, include_self=False), *(v.value for v in model.variables)]
     cache = model.__dict__.setdefault(_CACHE, {})
@@ -356,13 +357,14 @@ def _predictor(parallel):
     return lambda inputs: tree.map_structure(np.asarray, step(tree.map_structure(tf.convert_to_tensor, inputs)))
 
 
-def _predicted_batches(predict, source, start, batch_size, verbose):
+def _predicted_batches(predict, template, source, start, batch_size, verbose):
     """Yields (predictions, (first_row, end_row)) batch by batch from `start`."""
     bar = keras.utils.Progbar(source.rows, verbose=verbose, unit_name="row", stateful_metrics=["rows/s"])
     begin_time, row = time.perf_counter(), start
     if start:
         bar.update(start)
     for inputs in _prefetch(source.batches(start, batch_size)):
+        check_indices("parallel_predict", template, inputs, "data")
         predictions = predict(inputs)
         end = row + len(tree.flatten(predictions)[0])
         if source.rows is not None and end > source.rows:
