@@ -875,3 +875,23 @@ def test_an_index_past_an_embeddings_rows_is_refused_as_parallelize_refuses_it(t
             kerasmulti.parallel_predict(model, x, batch_size=16, output=output, verbose=0)
     x[37, 2] = 9
     np.testing.assert_allclose(kerasmulti.parallel_predict(model, x, batch_size=16, verbose=0), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_inputs_keras_takes_with_a_last_axis_of_1_added_or_dropped_or_a_key_more_are_taken():
+    # Refused with "Reshape the data" (and, for the key, row shapes that did not name it), where
+    # model.predict takes them: Keras adds or drops a last axis of 1, and ignores a dict's other keys.
+    rng = np.random.default_rng()
+    column = keras.Input((1,))
+    one = keras.Model(column, keras.layers.Dense(2)(column))
+    x = rng.random((10,)).astype("float32")
+    np.testing.assert_allclose(kerasmulti.parallel_predict(one, x, batch_size=4, verbose=0), one.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    row = keras.Input((4,))
+    four = keras.Model(row, keras.layers.Dense(2)(row))
+    x = rng.random((10, 4, 1)).astype("float32")
+    np.testing.assert_allclose(kerasmulti.parallel_predict(four, x, batch_size=4, verbose=0), four.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    named = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
+    data = {"a": rng.random((9, 4)).astype("float32"), "b": rng.random((9, 2)).astype("float32"), "id": np.arange(9)}
+    expected = named.predict({"a": data["a"], "b": data["b"]}, verbose=0)
+    for given in (data, tf.data.Dataset.from_tensor_slices(data).batch(4)):
+        np.testing.assert_allclose(kerasmulti.parallel_predict(named, given, batch_size=4, verbose=0), expected, rtol=1e-6, atol=1e-6)

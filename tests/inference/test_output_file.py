@@ -179,6 +179,8 @@ def test_extra_is_checked_before_anything_is_written(tmp_path):
         (TypeError, ["a"], r"extra must be a dict of arrays.*Received: extra=\['a'\]$"),
         (ValueError, {"score": np.arange(10)}, r"extra \['score'\] has the name of a model output.*\['features', 'score'\].*Received: extra=\{'score': \.\.\.\}$"),
         (ValueError, {"a/b": np.arange(10)}, r"keys must be non-empty strings without '/'.*Received: extra=\{'a/b': \.\.\.\}$"),
+        # h5py's own TypeError, with no fix, before.
+        (ValueError, {"meta": np.array([{"id": i} for i in range(10)])}, r"extra 'meta' holds Python objects.*Pass numbers or text. Received: extra\['meta'\]\.dtype=object$"),
     ]
     for error, extra, message in refused:
         with pytest.raises(error, match=message):
@@ -259,12 +261,22 @@ def test_a_resume_with_another_extra_is_refused_and_the_same_extra_resumes(tmp_p
     _assert_file_holds(path, model, x)
 
 
+def _replaced(f, name, values):
+    del f[name]
+    f[name] = values
+
+
 def test_a_file_with_a_wrong_counter_or_a_missing_output_is_damaged(tmp_path):
     model, x = _model(), _data(10)
     for name, edit, reason in (
         ("big.h5", lambda f: f.attrs.modify("kerasmulti_rows_done", np.int64(10**6)), "its row counter, 1000000, is out of range"),
         ("negative.h5", lambda f: f.attrs.modify("kerasmulti_rows_done", np.int64(-5)), "its row counter, -5, is out of range"),
         ("missing.h5", lambda f: f.__delitem__("score"), "output 'score' is missing"),
+        # These gave h5py's TypeError mid-run, or (more rows) resumed as if fine.
+        ("text.h5", lambda f: f.attrs.__setitem__("kerasmulti_rows_done", "5"), "its row counter is not a whole number"),
+        ("float.h5", lambda f: f.attrs.__setitem__("kerasmulti_rows_done", 5.7), "its row counter is not a whole number"),
+        ("fewer.h5", lambda f: _replaced(f, "score", np.zeros((4, 1), "float32")), "output 'score' has 4 rows, not 10"),
+        ("more.h5", lambda f: _replaced(f, "score", np.zeros((50, 1), "float32")), "output 'score' has 50 rows, not 10"),
     ):
         path = str(tmp_path / name)
         kerasmulti.parallel_predict(model, x, output=path, verbose=0)
@@ -363,3 +375,23 @@ def test_a_file_that_cannot_be_written_is_not_called_a_full_disk(tmp_path, monke
     monkeypatch.setattr(_output_file, "reserve", refused)  # as for a file of mode 444, for a user other than root
     with pytest.raises(ValueError, match=r"cannot be written \(Permission denied\). Make it writable, or choose another path"):
         kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)
+
+
+def test_a_new_file_clears_the_temporary_a_killed_run_left_while_making_it(tmp_path, monkeypatch):
+    # A run killed while it made (and reserved the blocks of) the file left that hidden temporary for good.
+    import subprocess
+    import sys
+
+    from kerasmulti._src.utils import atomic as _atomic
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    path = str(tmp_path / "out.h5")
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "getpid", lambda: finished.pid)
+        left = _atomic.temporary_path(path)
+    open(left, "wb").close()
+    model, x = _model(), _data(10)
+    kerasmulti.parallel_predict(model, x, output=path, verbose=0)
+    assert os.listdir(tmp_path) == ["out.h5"]
+    _assert_file_holds(path, model, x)

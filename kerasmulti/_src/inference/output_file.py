@@ -116,6 +116,12 @@ def check_extra(extra, output) -> dict:
 def check_extra_rows(extra: dict, rows: int) -> None:
     """Refuses an `extra` array without one row per input row."""
     for key, value in extra.items():
+        array = np.asarray(value)
+        if array.dtype.kind == "O" and not all(isinstance(v, (str, bytes)) for v in array.ravel()):
+            raise ValueError(
+                f"parallel_predict()'s extra '{key}' holds Python objects, which HDF5 cannot store. Pass numbers "
+                f"or text. Received: extra[{key!r}].dtype=object"
+            )
         got = len(value) if np.ndim(value) else None
         if got != rows:
             raise ValueError(
@@ -184,6 +190,7 @@ def create(path: str, rows: int, spec, names, attributes: dict, extra: dict) -> 
 
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _atomic.remove_stale_temporaries(path)  # a full-size file left by a run killed while it made one
         _atomic.write(path, build, "parallel_predict()", f"output={path!r}")
     except OSError as error:
         # Not h5py's message: it names the temporary, not the user's path.
@@ -274,6 +281,8 @@ def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
                 f"parallel_predict() will not add to results of a different {what}. Delete the file or choose another. "
                 f"Received: output={path!r}"
             )
+    if done is None:
+        raise _damaged(path, "its row counter is not a whole number")  # no write of ours leaves it
     if not 0 <= done <= written.get("kerasmulti_rows", done):
         raise _damaged(path, f"its row counter, {done}, is out of range")  # no write of ours leaves it
 
@@ -289,6 +298,10 @@ def resumed_names(f: h5py.File, path: str, names: list, extra: dict) -> list:
     missing = [name for name in names if not isinstance(f.get(name), h5py.Dataset)]
     if missing:
         raise _damaged(path, f"output '{missing[0]}' is missing")
+    rows = f.attrs.get("kerasmulti_rows")
+    resized = [name for name in names if rows is not None and len(f[name]) != rows]
+    if resized:  # no write of ours resizes one: edited by hand
+        raise _damaged(path, f"output '{resized[0]}' has {len(f[resized[0]])} rows, not {rows}")
     for key, value in extra.items():
         stored = f.get(key)
         if not isinstance(stored, h5py.Dataset) or not _same(stored, value):
@@ -319,11 +332,12 @@ def _damaged(path: str, reason: str = "not a readable HDF5 file") -> ValueError:
     )
 
 
-def rows_done(f: h5py.File) -> int:
+def rows_done(f: h5py.File) -> int | None:
     """The rows that are final."""
-    if PROGRESS in f.attrs:
-        return int(f.attrs[PROGRESS])
-    return int(f[PROGRESS][()])  # an earlier kerasmulti's file
+    done = f.attrs[PROGRESS] if PROGRESS in f.attrs else f[PROGRESS][()]  # the latter: an earlier kerasmulti's file
+    if not np.issubdtype(np.asarray(done).dtype, np.integer) or np.ndim(done):
+        return None  # edited by hand (`_check_resumable` refuses it)
+    return int(done)
 
 
 def set_rows_done(f: h5py.File, rows: int) -> None:

@@ -350,6 +350,12 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
     return ArraySource(data, None if steps is None else steps * batch_size)
 
 
+def _fits(got: tuple, expected: tuple) -> bool:
+    if len(got) != len(expected):  # Keras squeezes or adds a last axis of 1 itself (as `call_checks`)
+        return (len(got) == len(expected) + 1 and got[-1:] == (1,)) or (len(got) + 1 == len(expected) and expected[-1:] == (1,))
+    return all(e is None or e == g for e, g in zip(expected, got))
+
+
 def check_inputs(model, sample) -> None:
     """Raises when the input rows do not fit the model's inputs: their shapes, or text for numbers."""
     # A subclassed model has no `inputs`: its rows are checked when it runs.
@@ -360,8 +366,8 @@ def check_inputs(model, sample) -> None:
     names = [t.name for t in inputs]
     if isinstance(sample, dict):
         check_input_keys("parallel_predict", model, sample, "data")
-    if isinstance(sample, dict) and sorted(sample) == sorted(names):
-        sample = [sample[name] for name in names]  # as Keras matches a dict to the inputs
+    if isinstance(sample, dict) and set(names) <= set(sample):
+        sample = [sample[name] for name in names]  # as Keras matches a dict to the inputs (others ignored)
     for index, (tensor, array) in enumerate(zip(inputs, tree.flatten(sample))):
         kind = np.asarray(array).dtype
         if kind.kind in "USO" and tensor.dtype != "string":
@@ -371,9 +377,7 @@ def check_inputs(model, sample) -> None:
                 f"Convert it. Received: dtype={kind}"
             )
     got = [tuple(np.shape(a)[1:]) for a in tree.flatten(sample)]
-    fits = len(got) == len(expected) and all(
-        len(g) == len(e) and all(x is None or x == y for x, y in zip(e, g)) for g, e in zip(got, expected)
-    )
+    fits = len(got) == len(expected) and all(_fits(g, e) for g, e in zip(got, expected))
     if not fits:
         raise ValueError(
             f"The input rows do not fit model '{model.name}', which takes {_shapes(expected)}. "
