@@ -127,7 +127,8 @@ def parallelize(
         if not (split is None or isinstance(split, str) and split == "even"):
             # Any list is refused here, whatever its length: a weight that is not one first gets its own error.
             weights = split.tolist() if hasattr(split, "tolist") else split
-            _balance.resolve(split, [""] * len(weights) if isinstance(weights, (list, tuple)) else [])
+            if not isinstance(weights, (list, tuple)) or weights:
+                _balance.resolve(split, [""] * len(weights) if isinstance(weights, (list, tuple)) else [])
             raise ValueError(
                 "split= other than 'even' works in one process only. Leave split='even'. "
                 f"Received: split={split!r}"

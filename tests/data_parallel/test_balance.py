@@ -204,7 +204,7 @@ def test_splits_a_user_would_expect_to_work_are_taken(split, expected):
     assert got is None if expected is None else got == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("split", ["auto", [2, 1], [1], np.array([1.0, 3.0, 1.0])], ids=str)
+@pytest.mark.parametrize("split", ["auto", [2, 1], [1], np.array([1.0, 3.0, 1.0]), []], ids=str)
 def test_splits_other_than_even_are_refused_across_workers(monkeypatch, split):
     # A list was first told to give one weight per device of the worker's own (1 here), then refused.
     from kerasmulti._src import parallelize as _parallelize
@@ -265,7 +265,7 @@ def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     assert glob.glob(str(tmp_path / "logs" / "throughput" / "events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("verbose", [1, 2, 0])
+@pytest.mark.parametrize("verbose", ["auto", 1, 2, 0])
 def test_the_monitors_line_starts_a_line_of_its_own_under_the_progress_bar(capsys, verbose):
     # Under verbose=1 it was printed onto the end of the epoch's unfinished progress bar.
     parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)]), gpus=DEVICES)

@@ -895,3 +895,33 @@ def test_inputs_keras_takes_with_a_last_axis_of_1_added_or_dropped_or_a_key_more
     expected = named.predict({"a": data["a"], "b": data["b"]}, verbose=0)
     for given in (data, tf.data.Dataset.from_tensor_slices(data).batch(4)):
         np.testing.assert_allclose(kerasmulti.parallel_predict(named, given, batch_size=4, verbose=0), expected, rtol=1e-6, atol=1e-6)
+    # Only a last axis of 1: other axes must still fit (Keras would fail inside one replica's call).
+    for model, rows, takes in ((four, (5, 1), r"\(4,\)"), (one, (3,), r"\(1,\)")):
+        with pytest.raises(ValueError, match=rf"do not fit model '.*', which takes {takes}. Reshape the data"):
+            kerasmulti.parallel_predict(model, np.ones((6, *rows), "float32"), verbose=0)
+
+
+def test_a_text_column_beside_the_inputs_is_the_same_input_when_made_again(tmp_path):
+    # pandas' df["file"].to_numpy() is an object array: its fingerprint hashed the strings' addresses,
+    # so the same column made again (a resume in a new process) was "a different input".
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
+    rng = np.random.default_rng()
+    x = {"a": rng.random((20, 4)).astype("float32"), "b": rng.random((20, 2)).astype("float32")}
+
+    def files():  # new str objects each time
+        return np.array(["".join(["img", str(i), ".png"]) for i in range(20)], dtype=object)
+
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, {**x, "file": files()}, batch_size=8, output=path, verbose=0)
+    assert kerasmulti.parallel_predict(model, {**x, "file": files()}, batch_size=8, output=path, verbose=0) == path
+    other = files()
+    other[3] = "img99.png"
+    with pytest.raises(ValueError, match="different input"):
+        kerasmulti.parallel_predict(model, {**x, "file": other}, batch_size=8, output=path, verbose=0)
+    # Through tf.data, whose batches are hashed to be recognised when read again: they were not.
+    dataset = tf.data.Dataset.from_tensor_slices({**x, "file": np.array([f"img{i}.png" for i in range(20)])}).batch(8)
+    kerasmulti.parallel_predict(model, dataset, output=str(tmp_path / "dataset.h5"), verbose=0)
+    with h5py.File(tmp_path / "dataset.h5", "r") as f:
+        (name,) = [key for key in f if isinstance(f[key], h5py.Dataset)]
+        np.testing.assert_allclose(f[name][:], model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)

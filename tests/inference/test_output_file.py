@@ -180,7 +180,8 @@ def test_extra_is_checked_before_anything_is_written(tmp_path):
         (ValueError, {"score": np.arange(10)}, r"extra \['score'\] has the name of a model output.*\['features', 'score'\].*Received: extra=\{'score': \.\.\.\}$"),
         (ValueError, {"a/b": np.arange(10)}, r"keys must be non-empty strings without '/'.*Received: extra=\{'a/b': \.\.\.\}$"),
         # h5py's own TypeError, with no fix, before.
-        (ValueError, {"meta": np.array([{"id": i} for i in range(10)])}, r"extra 'meta' holds Python objects.*Pass numbers or text. Received: extra\['meta'\]\.dtype=object$"),
+        (ValueError, {"meta": np.array([{"id": i} for i in range(10)])}, r"extra 'meta' holds Python objects.*Pass numbers or text.*Received: extra\['meta'\]\.dtype=object$"),
+        (ValueError, {"meta": np.array(["a", b"b"] * 5, dtype=object)}, r"extra 'meta' holds Python objects.*\(str or bytes, not both\)"),
     ]
     for error, extra, message in refused:
         with pytest.raises(error, match=message):
@@ -391,7 +392,19 @@ def test_a_new_file_clears_the_temporary_a_killed_run_left_while_making_it(tmp_p
         patch.setattr(os, "getpid", lambda: finished.pid)
         left = _atomic.temporary_path(path)
     open(left, "wb").close()
+    with monkeypatch.context() as patch:  # another user's, in a shared folder (/tmp), that cannot be removed
+        patch.setattr(os, "getpid", lambda: finished.pid)
+        theirs = _atomic.temporary_path(str(tmp_path / "theirs.h5"))
+    open(theirs, "wb").close()
+    remove = os.remove
+
+    def refused(name, *args, **kwargs):
+        if name == theirs:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), name)
+        return remove(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", refused)
     model, x = _model(), _data(10)
     kerasmulti.parallel_predict(model, x, output=path, verbose=0)
-    assert os.listdir(tmp_path) == ["out.h5"]
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.h5", os.path.basename(theirs)])
     _assert_file_holds(path, model, x)

@@ -159,7 +159,9 @@ def test_the_launcher_loads_without_tensorflow():
 
     script = (
         "import sys; from kerasmulti._src.commands import launch; "
-        "from kerasmulti._src.multi_worker import supervisor, tf_config; print('tensorflow' in sys.modules)"
+        "from kerasmulti._src.multi_worker import supervisor, tf_config; "
+        # `launch()` too (a notebook's kernel, before it forks): its ClusterError loaded TensorFlow.
+        "import kerasmulti; kerasmulti.launch; print('tensorflow' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -138,7 +138,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self.records.append(record)
         if self.verbose and _cluster.is_chief():
             # On a line of its own, as Keras' ModelCheckpoint prints: the progress bar's last update comes after.
-            print(("\n" if (self.params or {}).get("verbose") == 1 else "") + _line(record))
+            print(("\n" if (self.params or {}).get("verbose") in (1, "auto") else "") + _line(record))
         if self._log_dir is not None and _cluster.is_chief():
             self._write(record)
 

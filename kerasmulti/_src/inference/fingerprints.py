@@ -14,7 +14,7 @@ import numpy as np
 from keras import tree
 
 from kerasmulti._src import keras_private
-from kerasmulti._src.inference.sources import Source
+from kerasmulti._src.inference.sources import Source, values_bytes
 
 
 def fingerprint(source: Source) -> str:
@@ -31,7 +31,7 @@ def fingerprint(source: Source) -> str:
         for array in tree.flatten(part):
             array = np.ascontiguousarray(array)
             digest.update(f"{array.shape}{array.dtype}".encode())
-            digest.update(array.tobytes())
+            digest.update(values_bytes(array))
     return digest.hexdigest()
 
 

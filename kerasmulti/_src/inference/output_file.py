@@ -117,10 +117,11 @@ def check_extra_rows(extra: dict, rows: int) -> None:
     """Refuses an `extra` array without one row per input row."""
     for key, value in extra.items():
         array = np.asarray(value)
-        if array.dtype.kind == "O" and not all(isinstance(v, (str, bytes)) for v in array.ravel()):
+        texts = array.ravel()
+        if array.dtype.kind == "O" and not (all(isinstance(v, str) for v in texts) or all(isinstance(v, bytes) for v in texts)):
             raise ValueError(
                 f"parallel_predict()'s extra '{key}' holds Python objects, which HDF5 cannot store. Pass numbers "
-                f"or text. Received: extra[{key!r}].dtype=object"
+                f"or text (str or bytes, not both). Received: extra[{key!r}].dtype=object"
             )
         got = len(value) if np.ndim(value) else None
         if got != rows:

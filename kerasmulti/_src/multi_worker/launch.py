@@ -20,7 +20,6 @@ import threading
 import traceback
 from typing import Any, Callable, Sequence
 
-from kerasmulti._src.cluster import ClusterError
 from kerasmulti._src.multi_worker import parent_death
 from kerasmulti._src.multi_worker.supervisor import run_cluster
 from kerasmulti._src.multi_worker.tf_config import (
@@ -122,7 +121,7 @@ def launch(
     if _tensorflow_started():
         # Workers are forks of this process, and a process can join a
         # cluster only before TensorFlow's first op.
-        raise ClusterError(
+        raise _cluster_error(
             "launch() cannot start workers: TensorFlow already ran here. Restart the kernel, call "
             "launch() first and build models in the function. "
             "Received: TensorFlow initialised=True"
@@ -146,16 +145,16 @@ def launch(
     if failed is not None:
         sent = _received(receivers[failed])
         if isinstance(sent, _Unsendable):
-            raise ClusterError(
+            raise _cluster_error(
                 f"Worker {failed} finished, but its return value cannot be pickled to send it back (reason "
                 f"above). Return plain data, e.g. history.history, not a model. Received: type={sent.type_name}"
             )
         if processes[failed].returncode == REQUEUE_EXIT_CODE:
-            raise ClusterError(
+            raise _cluster_error(
                 "SIGTERM stopped the workers after they backed up the step they reached. Call launch() "
                 f"again to go on from there. Received: exitcode={REQUEUE_EXIT_CODE}"
             )
-        raise ClusterError(
+        raise _cluster_error(
             f"Worker {failed} of {workers} failed (output above, as [worker {failed}]); the others were stopped. "
             f"Received: exitcode={processes[failed].returncode}"
         )
@@ -163,12 +162,19 @@ def launch(
         receiver = receivers[index]
         receiver.join()
         if receiver.error is not None:
-            raise ClusterError(
+            raise _cluster_error(
                 f"Worker {index} finished, but its return value cannot be unpickled here "
                 f"({type(receiver.error).__name__}: {receiver.error}). Return plain data, e.g. "
                 f"history.history. Received: error={type(receiver.error).__name__}"
             )
     return [receivers[index].value for index in range(workers)]
+
+
+def _cluster_error(message: str) -> Exception:
+    # Imported here: cluster.py loads TensorFlow, which the launcher's process must not (its workers are forks).
+    from kerasmulti._src.cluster import ClusterError
+
+    return ClusterError(message)
 
 
 class _Unsendable:

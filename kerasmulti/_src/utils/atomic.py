@@ -193,6 +193,6 @@ def remove_stale_temporaries_in(folder: str) -> list[str]:
             try:
                 os.remove(path)
                 removed.append(path)
-            except FileNotFoundError:
+            except OSError:  # gone already, or another user's in a shared folder: theirs to remove
                 pass
     return removed
