@@ -17,6 +17,7 @@ from kerasmulti._src import keras_private as _keras_private
 
 # name -> the parameters kerasmulti passes (by name or position, in order)
 SIGNATURES = {
+    "AutocastScope": ["dtype"],
     "compute_output_spec": ["fn"],
     "get_keras_mask": ["x"],
     "set_keras_mask": ["x", "mask"],

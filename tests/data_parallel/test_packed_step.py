@@ -13,6 +13,8 @@ The shared conformance list checks every model kind under XLA
 
 from simulated import DEVICES
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -226,3 +228,32 @@ def test_a_frozen_model_is_warned_about_and_left_unchanged_under_xla():
         parallel.fit(x, y, batch_size=4, epochs=1, verbose=0)
     for got, want in zip(template.get_weights(), before):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_mixed_model_predicted_first_keeps_its_packed_step_in_float32():
+    # The parallel model's call opens Keras' float16 autocast scope: the packed read under it
+    # took the float32 weights as float16, and a predict before the first fit made the buffers
+    # float16, warned that the variables "live on several devices" and ran the update op by op.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def build():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh", dtype="float32"),
+                                     keras.layers.Dense(3, dtype="float32")])
+
+        rng = np.random.default_rng()
+        x, y = rng.normal(size=(12, 8)).astype("float32"), rng.integers(0, 3, (12,))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        reference, template = build(), build()
+        reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=True)
+        parallel = kerasmulti.parallelize(template, gpus=2)
+        parallel.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            parallel.predict(x, batch_size=6, verbose=0)
+            parallel.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+        reference.fit(x, y, batch_size=6, shuffle=False, verbose=0)
+        for got, expected in zip(template.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

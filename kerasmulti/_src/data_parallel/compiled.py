@@ -245,8 +245,9 @@ class CompiledReplicas:
 
     def _arguments(self, pieces, plan, loss_scale):
         """Each replica's arguments: the variables' values (packed), its rows, its scalars."""
-        self._prepare()
-        read = self._reads.read()
+        with keras_private.AutocastScope(None):  # as stored: the parallel model's call opens a float16 scope
+            self._prepare()
+            read = self._reads.read()
         batch = tf.cast(plan.batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)
         arguments = []

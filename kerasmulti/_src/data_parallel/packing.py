@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from kerasmulti._src import keras_private
+
 
 class Layout:
     """Where each tensor of a fixed list lies in one flat buffer per dtype.
@@ -125,6 +127,7 @@ class DeviceReads:
 
 def _reader(layout: Layout, variables):
     def read():
-        return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
+        with keras_private.AutocastScope(None):  # as stored: a mixed model's call would read them as float16
+            return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
 
     return read

@@ -50,6 +50,11 @@ from keras.src.backend.common import global_state
 # nor writes; replica outputs are merged with theirs.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
 
+# A layer's call opens Keras' autocast scope (float16 under mixed_float16), also a
+# model's with `autocast=False` whose compute dtype is not its variables': the packed
+# read (`packing.py`) takes the variables as stored, under a scope of none.
+from keras.src.backend.common.variables import AutocastScope
+
 # Keras' TensorFlow convolution: for a grouped convolution (ConvNeXt's
 # depthwise layers) its `conv` runs an XLA function that reads the kernel
 # variable itself, which XLA refuses on a replica's device (the variable lives
@@ -349,5 +354,5 @@ __all__ = [
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
-    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2",
+    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2", "AutocastScope",
 ]
