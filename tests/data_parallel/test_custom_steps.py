@@ -358,6 +358,24 @@ def test_a_mixed_float16_step_scales_each_replicas_loss_by_its_share_before_the_
     assert_same_weights(reference, template, atol=1e-3)  # float16's rounding
 
 
+def test_a_mixed_float16_models_float32_layers_read_their_weights_in_float32_under_xla():
+    # Keras' state scope casts its values to the variables' dtype, float16 in the template's own
+    # autocast scope: the compiled call's float32 layers read their weights rounded (4e-4 off).
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(16, activation="tanh", dtype="float32")(inputs)
+        template = Rounded(inputs, keras.layers.Dense(3, dtype="float32")(hidden))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    x = _data("xy")["x"]
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    got = parallel.predict(x, batch_size=BATCH, verbose=0)
+    assert parallel._custom.compiles
+    np.testing.assert_allclose(got["score"], template.predict(x, batch_size=BATCH, verbose=0)["score"], rtol=1e-5, atol=1e-6)
+
+
 class _OwnLossScale(keras.Model):
     """A mixed_float16 step with a LossScaleOptimizer of its own, unbuilt until its first `apply`."""
 

@@ -230,7 +230,7 @@ def test_a_frozen_model_is_warned_about_and_left_unchanged_under_xla():
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_mixed_model_predicted_first_keeps_its_packed_step_in_float32():
+def test_a_mixed_model_keeps_its_packed_step_and_its_float32_layers_in_float32():
     # The parallel model's call opens Keras' float16 autocast scope: the packed read under it
     # took the float32 weights as float16, and a predict before the first fit made the buffers
     # float16, warned that the variables "live on several devices" and ran the update op by op.
@@ -255,5 +255,11 @@ def test_a_mixed_model_predicted_first_keeps_its_packed_step_in_float32():
         reference.fit(x, y, batch_size=6, shuffle=False, verbose=0)
         for got, expected in zip(template.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+        # Keras' state scope casts its values to the variables' dtype, which in a float16 scope is float16:
+        # a float32 layer of the replicas' programs read its weights rounded (5e-4 off the template's predict).
+        np.testing.assert_allclose(parallel.predict(x, batch_size=6, verbose=0), template.predict(x, verbose=0),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=6, verbose=0),
+                                   reference.evaluate(x, y, batch_size=6, verbose=0), rtol=1e-5)
     finally:
         keras.mixed_precision.set_global_policy("float32")

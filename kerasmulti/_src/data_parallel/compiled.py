@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import warnings
 
-import keras
 import tensorflow as tf
 from keras import tree
 
@@ -313,7 +312,7 @@ class CompiledReplicas:
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             if training:
                 tape.watch(trainable)
-            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            with _packing.StoredScope(state_mapping=mapping, collect_losses=True) as scope:
                 given = [scope.get_current_value(v) for v in template.non_trainable_variables]
                 y_pred = template(x, training=training)
                 if mode == "step":

@@ -143,7 +143,7 @@ def _in_library(filename: str) -> bool:
     return any(folder in filename for folder in folders) or filename.endswith(f"{os.sep}threading.py")
 
 
-class _WatchedScope(keras.StatelessScope):
+class _WatchedScope(_packing.StoredScope):
     """A `StatelessScope` that notes the variables read without a value of its own, and those assigned."""
 
     def __init__(self, *args, **kwargs):

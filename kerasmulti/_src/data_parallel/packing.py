@@ -15,6 +15,7 @@ same in number whatever the model's size.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from kerasmulti._src import keras_private
@@ -123,6 +124,20 @@ class DeviceReads:
         repeated (ResNet's blocks) otherwise share their kernels.
         """
         return [tf.reshape(piece, variable.shape) for piece, variable in zip(pieces, self.variables)]
+
+
+class StoredScope(keras.StatelessScope):
+    """A `keras.StatelessScope` whose values keep their variables' own dtypes.
+
+    Keras casts each value to its variable's `dtype`, which in an autocast
+    scope (a mixed_float16 model's call) is float16: a float32 layer of that
+    model would then read its weights rounded. Read in the scope, a value is
+    cast as the reading layer's own scope says, as it is on one device.
+    """
+
+    def __init__(self, *args, **kwargs):
+        with keras_private.AutocastScope(None):
+            super().__init__(*args, **kwargs)
 
 
 def _reader(layout: Layout, variables):
