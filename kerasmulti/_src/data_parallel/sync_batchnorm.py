@@ -104,8 +104,13 @@ def _all_reduce_sum(rendezvous, value):
 
     Replica j's loss depends on replica i's activations through the shared
     statistics; summing the upstream gradients carries those cross terms back
-    to every replica, as `tf.distribute`'s all-reduce does.
+    to every replica, as `tf.distribute`'s all-reduce does. The sum is taken
+    outside the custom gradient, its gradient stopped: traced, TensorFlow walks
+    back from a custom gradient's outputs to its inputs, and through the other
+    replicas' values that walk would cover their whole graph so far at every
+    layer (a first step growing with the square of the BatchNormalization layers).
     """
+    total = tf.stop_gradient(tf.add_n(rendezvous.all_gather(value, "BatchNormalization statistics")))
 
     @tf.custom_gradient
     def reduce(local):
@@ -118,7 +123,7 @@ def _all_reduce_sum(rendezvous, value):
                 return summed(upstream)
             return share_weighted_sum(upstream, share, summed)
 
-        return tf.add_n(rendezvous.all_gather(local, "BatchNormalization statistics")), grad
+        return tf.identity(total), grad
 
     return reduce(value)
 
