@@ -125,10 +125,7 @@ def parallelize(
         _wrap.check_model(model)
         _devices.resolve_devices(gpus, devices)  # checked, though the strategy picks the devices
         if not (split is None or isinstance(split, str) and split == "even"):
-            # Any list is refused here, whatever its length: a weight that is not one first gets its own error.
-            weights = split.tolist() if hasattr(split, "tolist") else split
-            if not isinstance(weights, (list, tuple)) or weights:
-                _balance.resolve(split, [""] * len(weights) if isinstance(weights, (list, tuple)) else [])
+            _balance.check_split(split)  # a value that is not one first gets its own error
             raise ValueError(
                 "split= other than 'even' works in one process only. Leave split='even'. "
                 f"Received: split={split!r}"

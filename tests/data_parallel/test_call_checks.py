@@ -134,6 +134,10 @@ def test_inputs_are_checked_against_the_model():
         _parallel().fit([x[:, :4], x[:, :4]], y, verbose=0)
     with pytest.raises(ValueError, match=r"validation_data rows of shape \(3,\).*Received: validation_data.shape=\(8, 3\)"):
         _parallel().fit(x[:, :4], y, validation_data=(x[:, :3], y), verbose=0)
+    # A last axis of 1 is Keras' to squeeze, the others must still fit: (5, 1) reached Keras' error in a replica.
+    with pytest.raises(ValueError, match=r"^fit\(\) got x rows of shape \(5, 1\) for input .* takes \(4,\)"):
+        _parallel().fit(x[..., None], y, verbose=0)
+    _parallel().fit(x[:, :4, None], y, verbose=0)
 
 
 def test_a_dict_of_inputs_needs_every_input():

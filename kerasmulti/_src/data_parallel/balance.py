@@ -48,23 +48,28 @@ from kerasmulti._src.keras_private import get_keras_mask, set_keras_mask
 
 def resolve(split, devices: list[str]):
     """`parallelize`'s `split` as the model keeps it: None, a tuple of proportions, or "auto"."""
-    if split is None:
-        return None  # even
-    if isinstance(split, np.ndarray) and split.ndim == 1:
-        split = split.tolist()
-    if isinstance(split, str):
-        if split in ("even", "auto"):
-            return None if split == "even" else "auto"
-    elif isinstance(split, (list, tuple)) and all(_positive_weight(w) for w in split):
-        if len(split) != len(devices):
-            raise ValueError(
-                f"split has {len(split)} weight(s) but the model runs on {len(devices)} "
-                f"device(s) ({', '.join(devices)}). Give one per device. "
-                f"Received: split={list(split)}"
-            )
-        largest = float(max(split))  # first: a sum of huge weights would overflow to inf
-        total = sum(float(w) / largest for w in split)
-        return tuple(float(w) / largest / total for w in split)
+    check_split(split)
+    if split is None or isinstance(split, str):
+        return None if split in (None, "even") else "auto"
+    weights = split.tolist() if isinstance(split, np.ndarray) else list(split)
+    if len(weights) != len(devices):
+        raise ValueError(
+            f"split has {len(weights)} weight(s) but the model runs on {len(devices)} "
+            f"device(s) ({', '.join(devices)}). Give one per device. "
+            f"Received: split={weights}"
+        )
+    largest = float(max(weights))  # first: a sum of huge weights would overflow to inf
+    total = sum(float(w) / largest for w in weights)
+    return tuple(float(w) / largest / total for w in weights)
+
+
+def check_split(split) -> None:
+    """Raises unless `split` is a value `parallelize` takes, whatever the devices: "even", "auto" or positive weights."""
+    if split is None or isinstance(split, str) and split in ("even", "auto"):
+        return
+    weights = split.tolist() if isinstance(split, np.ndarray) and split.ndim == 1 else split
+    if isinstance(weights, (list, tuple)) and all(_positive_weight(w) for w in weights):
+        return
     raise ValueError(
         f"split must be 'even', 'auto' or a list of one positive weight per device. Received: split={split!r}"
     )

@@ -217,20 +217,22 @@ def _check_input(method: str, template, name: str, tensor, array: np.ndarray, ar
             f"Convert it (StringLookup). Received: dtype={array.dtype}"
         )
     expected, got = tuple(tensor.shape[1:]), array.shape[1:]
-    if len(got) != len(expected):
-        # Keras squeezes or adds a last axis of 1 itself.
-        fits = (len(got) == len(expected) + 1 and got[-1:] == (1,)) or (
-            len(got) == len(expected) - 1 and expected[-1:] == (1,)
-        )
-    else:
-        fits = all(e is None or e == g for e, g in zip(expected, got))
-    if not fits:
+    if not row_shape_fits(got, expected):
         raise ValueError(
             f"{method}() got {argument} rows of shape {got} for input '{name}', which takes {expected}. "
             f"Reshape it. Received: {argument}.shape={array.shape}"
         )
     if np.issubdtype(array.dtype, np.integer) and array.size:
         _check_indices(method, template, tensor, array, argument)
+
+
+def row_shape_fits(got: tuple, expected: tuple) -> bool:
+    """Whether rows of shape `got` fit an input taking `expected` (None: any size), as Keras takes them."""
+    if len(got) == len(expected) + 1 and got[-1:] == (1,):  # Keras squeezes a last axis of 1 itself
+        got = got[:-1]
+    elif len(got) + 1 == len(expected) and expected[-1:] == (1,):  # or adds one
+        expected = expected[:-1]
+    return len(got) == len(expected) and all(e is None or e == g for e, g in zip(expected, got))
 
 
 def check_indices(method: str, template, x, argument: str) -> None:

@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras import tree
 
 from kerasmulti._src.data_parallel import feeding as _feeding
-from kerasmulti._src.data_parallel.call_checks import check_input_keys
+from kerasmulti._src.data_parallel.call_checks import check_input_keys, row_shape_fits
 
 
 def batched(dataset: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
@@ -358,14 +358,6 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
     return ArraySource(data, None if steps is None else steps * batch_size)
 
 
-def _fits(got: tuple, expected: tuple) -> bool:
-    if len(got) == len(expected) + 1 and got[-1:] == (1,):  # Keras squeezes a last axis of 1 itself
-        got = got[:-1]
-    elif len(got) + 1 == len(expected) and expected[-1:] == (1,):  # or adds one
-        expected = expected[:-1]
-    return len(got) == len(expected) and all(e is None or e == g for e, g in zip(expected, got))
-
-
 def check_inputs(model, sample) -> None:
     """Raises when the input rows do not fit the model's inputs: their shapes, or text for numbers."""
     # A subclassed model has no `inputs`: its rows are checked when it runs.
@@ -387,7 +379,7 @@ def check_inputs(model, sample) -> None:
                 f"Convert it. Received: dtype={kind}"
             )
     got = [tuple(np.shape(a)[1:]) for a in tree.flatten(sample)]
-    fits = len(got) == len(expected) and all(_fits(g, e) for g, e in zip(got, expected))
+    fits = len(got) == len(expected) and all(row_shape_fits(g, e) for g, e in zip(got, expected))
     if not fits:
         raise ValueError(
             f"The input rows do not fit model '{model.name}', which takes {_shapes(expected)}. "
