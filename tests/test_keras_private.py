@@ -17,11 +17,11 @@ from kerasmulti._src import keras_private as _keras_private
 
 # name -> the parameters kerasmulti passes (by name or position, in order)
 SIGNATURES = {
-    "AutocastScope": ["dtype"],
     "compute_output_spec": ["fn"],
     "get_keras_mask": ["x"],
     "set_keras_mask": ["x", "mask"],
     "global_state.get_global_attribute": ["name"],
+    "global_state.set_global_attribute": ["name", "value"],
     "loss_module.reduce_weighted_values": ["values", "sample_weight", "reduction", "dtype"],
     "loss_module.standardize_reduction": ["reduction"],
     "loss_module.apply_mask": ["sample_weight", "mask", "dtype", "reduction"],
@@ -97,6 +97,12 @@ def test_private_names_still_behave_as_used():
     )
     assert float(total) == 2.0
     assert _keras_private.global_state.get_global_attribute("current_call_ctx") is None
+    from keras.src.backend import AutocastScope  # what a mixed layer's call opens
+
+    halves, singles = keras.Variable(np.ones(2), dtype="bfloat16"), keras.Variable(np.ones(2), dtype="float32")
+    with AutocastScope("float16"), _keras_private.without_autocast():
+        assert (halves.dtype, singles.dtype, singles.value.dtype) == ("bfloat16", "float32", tf.float32)
+    assert _keras_private.global_state.get_global_attribute("autocast_scope") is None
     assert _keras_private.record.could_possibly_record() is False
     with tf.GradientTape():
         assert _keras_private.record.could_possibly_record() is True

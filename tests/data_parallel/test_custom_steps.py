@@ -376,6 +376,27 @@ def test_a_mixed_float16_models_float32_layers_read_their_weights_in_float32_und
     np.testing.assert_allclose(got["score"], template.predict(x, batch_size=BATCH, verbose=0)["score"], rtol=1e-5, atol=1e-6)
 
 
+def test_a_float16_layer_of_a_custom_step_trains_under_xla_as_on_one_device():
+    # The compiled calls' state scope, built with an autocast scope of None, cast float16 weights
+    # to float32 ("Tensor conversion requested dtype float16 for Tensor with dtype float32").
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((FEATURES,))
+        outputs = keras.layers.Dense(2, dtype="float16")(keras.layers.Dense(6, activation="relu")(inputs))
+        return Mixed(inputs, keras.ops.cast(outputs, "float32"))
+
+    data = _data("xy")
+    y = data["y"][:, :1] * np.ones((1, 2), "float32")
+    reference, template = build(), build()
+    reference.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    parallel.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+    reference.fit(data["x"], y, batch_size=BATCH, shuffle=False, verbose=0)
+    parallel.fit(data["x"], y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert parallel._custom.compiles
+    assert_same_weights(reference, template, atol=2e-3)  # float16's rounding
+
+
 class _OwnLossScale(keras.Model):
     """A mixed_float16 step with a LossScaleOptimizer of its own, unbuilt until its first `apply`."""
 

@@ -263,3 +263,36 @@ def test_a_mixed_model_keeps_its_packed_step_and_its_float32_layers_in_float32()
                                    reference.evaluate(x, y, batch_size=6, verbose=0), rtol=1e-5)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64", "global bfloat16"])
+def test_variables_stored_in_other_float_dtypes_train_under_xla_as_on_one_device(dtype):
+    # Read with an autocast scope of None, Keras' variables report float32 whatever they hold:
+    # the layout put bfloat16 weights in the float32 buffer ("ConcatV2 ... types don't all match"),
+    # and the state scope cast a bfloat16 model's weights to float32 (Dense.call refused the bias).
+    policy = "bfloat16" if dtype == "global bfloat16" else None
+    if policy:
+        keras.mixed_precision.set_global_policy(policy)
+    try:
+        def build():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu", dtype=policy or dtype),
+                                     keras.layers.Dense(3)])
+
+        reference, template = build(), build()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(12, 5)).astype("float32"), rng.normal(size=(12, 3)).astype("float32")
+    reference.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    parallel = kerasmulti.parallelize(template, gpus=2)
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    expected = reference.predict(x, batch_size=12, verbose=0)
+    got = parallel.predict(x, batch_size=12, verbose=0)
+    assert got.dtype == expected.dtype
+    np.testing.assert_allclose(got.astype("float32"), expected.astype("float32"), rtol=1e-2, atol=1e-2)
+    reference.fit(x, y, batch_size=12, verbose=0)
+    parallel.fit(x, y, batch_size=12, verbose=0)
+    assert [v.dtype for v in template.weights] == [v.dtype for v in reference.weights]
+    for got, expected in zip(template.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got.astype("float64"), expected.astype("float64"), rtol=1e-3, atol=1e-4)

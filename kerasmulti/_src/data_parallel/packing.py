@@ -136,13 +136,13 @@ class StoredScope(keras.StatelessScope):
     """
 
     def __init__(self, *args, **kwargs):
-        with keras_private.AutocastScope(None):
+        with keras_private.without_autocast():
             super().__init__(*args, **kwargs)
 
 
 def _reader(layout: Layout, variables):
     def read():
-        with keras_private.AutocastScope(None):  # as stored: a mixed model's call would read them as float16
+        with keras_private.without_autocast():  # as stored: a mixed model's call would read them as float16
             return layout.pack([tf.convert_to_tensor(getattr(v, "value", v)) for v in variables])
 
     return read

@@ -21,6 +21,8 @@ public class. Private methods that kerasmulti's subclasses override are in `OVER
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import os
 import sys
@@ -49,11 +51,6 @@ from keras.src.backend.common import global_state
 # A tensor's Keras mask travels as an attribute the public API neither reads
 # nor writes; replica outputs are merged with theirs.
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
-
-# A layer's call opens Keras' autocast scope (float16 under mixed_float16), also a
-# model's with `autocast=False` whose compute dtype is not its variables': the packed
-# read (`packing.py`) takes the variables as stored, under a scope of none.
-from keras.src.backend.common.variables import AutocastScope
 
 # Keras' TensorFlow convolution: for a grouped convolution (ConvNeXt's
 # depthwise layers) its `conv` runs an XLA function that reads the kernel
@@ -336,6 +333,24 @@ def backup_due(callback, batch: int) -> bool:
 # --- TensorFlow runtime ---------------------------------------------------------
 
 
+@contextlib.contextmanager
+def without_autocast():
+    """Inside: no autocast scope, as outside every layer's call; Keras variables read and report their stored dtypes.
+
+    A layer's call opens Keras' autocast scope (float16 under mixed_float16),
+    also a model's with `autocast=False` whose compute dtype is not its
+    variables'; the packed reads and state scopes (`packing.py`) take the
+    variables as stored. `AutocastScope(None)` does not: under it a variable's
+    `dtype` reports the default float type, float32 for a bfloat16 one.
+    """
+    previous = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous)
+
+
 def tensorflow_started() -> bool:
     """Whether TensorFlow's runtime started, or found a GPU (whose driver a forked process cannot use)."""
     started = eager_context.context()
@@ -354,5 +369,6 @@ __all__ = [
     "sequential_layers", "swap_added_losses", "symbolic_build", "tensorflow_started", "tensorflow_version", "uses_weight_decay",
     "Functional", "TFEpochIterator", "array_data_adapter", "array_slicing", "compute_output_spec", "coordination_config_pb2",
     "eager_context", "get_keras_mask", "global_state", "loss_module", "make_node_key", "model_supports_jit",
-    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2", "AutocastScope",
+    "multi_worker_util", "record", "saving_lib", "set_keras_mask", "tensorflow_nn", "xplane_pb2",
+    "without_autocast",
 ]
