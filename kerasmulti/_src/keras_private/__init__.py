@@ -22,7 +22,6 @@ public class. Private methods that kerasmulti's subclasses override are in `OVER
 from __future__ import annotations
 
 import contextlib
-
 import inspect
 import os
 import sys
