@@ -441,7 +441,7 @@ def test_a_pipeline_sums_each_gradient_on_its_stages_device_not_the_hosts():
     parallel = kerasmulti.parallelize(_stacked(3), gpus=2)
     for model, expected in ((piped, ["CPU:1", "CPU:1", "CPU:2", "CPU:2", "CPU:2", "CPU:2"]), (parallel, ["CPU:0"] * 6)):
         weights = kerasmulti.unwrap(model).trainable_weights
-        sums = [model._summed([tf.ones(w.shape), tf.ones(w.shape)], w) for w in weights]
+        sums = [model._threaded._summed([tf.ones(w.shape), tf.ones(w.shape)], w) for w in weights]
         assert [s.device[-5:] for s in sums] == expected and all(np.all(s.numpy() == 2) for s in sums)
 
 

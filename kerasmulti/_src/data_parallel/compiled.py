@@ -202,7 +202,7 @@ class CompiledReplicas:
         results = self._call_all(plan.devices, self._arguments(pieces, plan, 1.0), None, False, "forward")
         return [_with_masks(r["y_pred"], r["masks"]) for r in results]
 
-    def run(self, plan, pieces, training, loss_scale, deferred, timing=None):
+    def run(self, plan, pieces, training, deferred, timing=None):
         """Every replica's step under `plan` (`local_replicas.StepPlan`); returns `(y_pred, loss)` per replica.
 
         A training step also applies the summed gradients with the model's
@@ -215,6 +215,7 @@ class CompiledReplicas:
         optimizer, trainable = self._model.optimizer, self._template.trainable_variables
         if training and optimizer is not None and trainable:
             build_optimizer(optimizer, trainable)  # training only: predict and evaluate leave it unbuilt, as Keras
+        loss_scale = optimizer.scale_loss(tf.ones(())) if training and optimizer is not None else 1.0
         # Timed, the weights are read once the step has started, and each replica starts once they are read.
         with tf.control_dependencies([timing.started()] if timing else []):
             arguments = self._arguments(pieces, plan, loss_scale)

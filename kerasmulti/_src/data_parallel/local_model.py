@@ -5,8 +5,9 @@ batch is split along axis 0 into one shard per device; the template model
 runs on each shard under that device's scope (at call time, where Keras 3
 honours it); the outputs are concatenated in order on the CPU. A step is
 planned once (`local_replicas.py`) and carried out by one of three executors:
-Keras' step on threads (here), the replicas' XLA programs (`compiled.py`),
-or the template's own steps (`custom_steps.py`).
+Keras' step on threads (`threaded.py`) or the replicas' XLA programs
+(`compiled.py`), both behind one `run`, or the template's own steps
+(`custom_steps.py`).
 
 Training does not back-propagate through the merged output (on two
 simulated devices it ran at 0.68x one device): each replica computes its loss and gradients on its shard, and
@@ -39,6 +40,7 @@ from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import row_mixing as _row_mixing
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
+from kerasmulti._src.data_parallel import threaded as _threaded
 from kerasmulti._src.data_parallel.parallel_model import ParallelModel
 from kerasmulti._src.keras_private import compute_output_spec, loss_module, record
 
@@ -51,6 +53,7 @@ class LocalParallelModel(ParallelModel):
         batchnorm = _sync_batchnorm.batchnorm_layers(template)
         self._replicas = _local_replicas.LocalReplicas(self, devices, merge_device, split, batchnorm)
         super().__init__(template, devices, merge_device, **kwargs)
+        self._threaded = _threaded.ThreadedReplicas(self, template, self._replicas, self._microbatch_order, self._sum_device)
         self._auto_split = self._replicas.auto_split
         self._timing = _balance.StepTiming(devices) if self._auto_split else None
         self._input_order = None  # `epoch_order`: shuffled arrays a backup resumes
@@ -191,11 +194,9 @@ class LocalParallelModel(ParallelModel):
         if step is None:
             rows = _split.batch_size(x)
             return super().train_step(data), [_split.Shard(0, rows, rows)]
-        y_pred, gradients, shards = step
+        y_pred, shards = step
         if not self.trainable_weights:
             warnings.warn("The model does not have any trainable weights.", stacklevel=3)
-        elif gradients is not None:
-            self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight), shards
 
     def test_step(self, data):
@@ -208,75 +209,35 @@ class LocalParallelModel(ParallelModel):
         return self.compute_metrics(x, y, step[0], sample_weight=sample_weight)
 
     def _replica_step(self, x, y, sample_weight, training):
-        """Every replica's forward pass, its part of the loss and (training) its gradients.
+        """Every replica's forward pass, its part of the loss and (training) its update, by the step's executor.
 
         Records the batch's loss as Keras' steps do, and returns the merged
-        predictions and the summed gradients, or None when the batch runs on
+        predictions and the shards that ran, or None when the batch runs on
         one replica.
         """
         plan = self._replicas.plan(_split.batch_size(x))
         if len(plan.shards) == 1:
             return None
-        batch, shards, shares = plan.batch, plan.shards, plan.shares
         timing = self._timing if training else None
-        order = self._microbatch_order() if training else None  # a pipeline's 1F1B bound
-        trainable = self.trainable_weights if training else []
         self._build_compile_loss(x, y, sample_weight)
         pieces = self._replicas.pieces((x, y, sample_weight), plan)
-
-        def replica(i):
-            _replicas.set_valid(shards[i].counted)
-            x_i, y_i, sw_i = timing.start(i, pieces[i]) if timing else pieces[i]
-            _replicas.set_timing(timing)  # its waits at meeting points apart from its work
-            if order is not None:
-                x_i, y_i, sw_i = order.start(i, (x_i, y_i, sw_i))
-            total = _loss_parts.counted_or_summed(shards[i].sliced, batch, _replicas.cross_replica_sum)
-            part = _loss_parts.replica_part(shares[i], _replicas.valid(), shards[i].sliced, total)
-            # Timed, its weights are read after the step's start: the replica's time, not the loop's.
-            with tf.GradientTape() as tape, tf.control_dependencies([timing.started()] if timing else []):
-                y_pred = self._template(x_i, training=training)
-                _split.check_batch_axis(y_pred, x_i)
-                with part:
-                    loss = keras_private.compute_loss(self, x_i, y_i, y_pred, sw_i, training)
-                scaled = self.optimizer.scale_loss(loss) if training and self.optimizer else loss
-            gradients = tape.gradient(scaled, trainable) if trainable else []
-            if timing:
-                timing.end(i, (y_pred, loss, gradients))
-            if order is not None:
-                order.done(i, gradients)
-            return y_pred, loss, gradients
-
-        # Synchronised: the replicas' losses need the whole batch's totals
-        # (`loss_parts.py`), and BatchNormalization its statistics.
+        executor = self._compiled if self._compiled is not None else self._threaded
         with _loss_metrics.deferred_loss_metrics(self) as deferred:
-            if self._compiled is not None:
-                scale = self.optimizer.scale_loss(tf.ones(())) if training and self.optimizer else 1.0
-                results = self._compiled.run(plan, pieces, training, scale, deferred, timing)
-            else:
-                results = self._replicas.run(plan, replica, synchronized=True)
+            results = executor.run(plan, pieces, training, deferred, timing)
             with tf.device(self._merge_device):
-                deferred.flush(batch, shards)
-                y_pred = _split.merge([r[0] for r in results], shards)
+                deferred.flush(plan.batch, plan.shards)
+                y_pred = _split.merge([r[0] for r in results], plan.shards)
                 losses = [r[1] for r in results]
                 # reduction="none" leaves a loss per row: those are merged like outputs.
-                loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, shards)
-        # None where the compiled step applied them (`compiled.py`).
-        gradients = None
-        if self._compiled is None:
-            gradients = [self._summed(list(g), v) for g, v in zip(zip(*[r[2] for r in results]), trainable)]
+                loss = tf.add_n(losses) if losses[0].shape.rank == 0 else _split.merge(losses, plan.shards)
         keras_private.loss_tracker(self).update_state(
-            loss_module.unscale_loss_for_distribution(loss), sample_weight=batch
+            loss_module.unscale_loss_for_distribution(loss), sample_weight=plan.batch
         )
-        return y_pred, gradients, shards
+        return y_pred, plan.shards
 
     def _microbatch_order(self):
         """Which replica waits for which (`pipeline`'s 1F1B); None: each starts when it can."""
         return None
-
-    def _summed(self, gradients: list, variable):
-        """The replicas' gradients of `variable`, summed on `_sum_device(variable)`."""
-        with tf.device(self._sum_device(variable)):
-            return _split.sum_gradients(gradients)
 
     def _sum_device(self, variable) -> str:
         return self._merge_device  # where `cpu_merge` says

@@ -3,8 +3,8 @@
 A step is planned once (`StepPlan`): which rows each replica takes, which of
 them count, each replica's share of the batch, and the devices that run.
 Every executor of a `LocalParallelModel` carries out that plan: Keras' step
-on threads (`run`, here), the replicas' XLA programs (`compiled.py`) and the
-template's own steps (`custom_steps.py`). The split it follows is even, fixed
+on threads (`threaded.py`, through `run` here), the replicas' XLA programs
+(`compiled.py`) and the template's own steps (`custom_steps.py`). The split it follows is even, fixed
 proportions, or measured ones (`balance.AutoSplit`).
 """
 
