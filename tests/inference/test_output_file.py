@@ -376,6 +376,12 @@ def test_a_file_that_cannot_be_written_is_not_called_a_full_disk(tmp_path, monke
     monkeypatch.setattr(_output_file, "reserve", refused)  # as for a file of mode 444, for a user other than root
     with pytest.raises(ValueError, match=r"cannot be written \(Permission denied\). Make it writable, or choose another path"):
         kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)
+    # Finished, nothing is left to write: a file that cannot be written is read as it is (it was refused).
+    monkeypatch.undo()
+    kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0)
+    monkeypatch.setattr(_output_file, "reserve", refused)
+    assert kerasmulti.parallel_predict(model, _Crashing(x), output=path, verbose=0) == path
+    _assert_file_holds(path, model, x)
 
 
 def test_a_new_file_clears_the_temporary_a_killed_run_left_while_making_it(tmp_path, monkeypatch):

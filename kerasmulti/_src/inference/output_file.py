@@ -237,6 +237,9 @@ def open_existing(path: str, attributes: dict) -> h5py.File:
         reserve(path)
     except OSError as error:
         if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            finished = _finished(path, attributes)
+            if finished is not None:  # nothing is left to write: read it as it is
+                return finished
             raise ValueError(
                 f"parallel_predict() cannot resume '{path}': it cannot be written ({os.strerror(error.errno)}). "
                 f"Make it writable, or choose another path; written rows stay. Received: output={path!r}"
@@ -260,6 +263,22 @@ def open_existing(path: str, attributes: dict) -> h5py.File:
         f.close()
         raise
     return f
+
+
+def _finished(path: str, attributes: dict) -> h5py.File | None:
+    """The file opened read-only if it holds this run's rows, all of them; else None."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError:
+        return None
+    try:
+        _check_resumable(f, path, attributes)
+        if rows_done(f) == attributes.get("kerasmulti_rows"):
+            return f
+    except ValueError:
+        pass  # refused below as it would be writable: that it cannot be written comes first
+    f.close()
+    return None
 
 
 def _check_resumable(f: h5py.File, path: str, attributes: dict) -> None:
