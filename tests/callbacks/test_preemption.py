@@ -100,6 +100,7 @@ def test_a_periodic_backup_killed_mid_epoch_resumes_at_its_step(tmp_path, uninte
     assert _batches(tmp_path) == uninterrupted[2][:11] + uninterrupted[2][8:]
 
 
+@pytest.mark.slow  # 9-18 s: the fast tier keeps the plain model's resumes
 def test_a_pipelined_run_killed_mid_epoch_resumes_to_an_uninterrupted_runs_weights(tmp_path_factory):
     # kerasmulti.pipeline: 2 stages, 4 micro-batches; SIGKILL after a backup every 4 steps.
     straight, killed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("killed")
@@ -112,6 +113,7 @@ def test_a_pipelined_run_killed_mid_epoch_resumes_to_an_uninterrupted_runs_weigh
     assert _batches(killed) == _batches(straight)[:11] + _batches(straight)[8:]
 
 
+@pytest.mark.slow  # 9-18 s: the fast tier keeps the plain model's resumes
 def test_control_keras_backup_and_restore_loses_the_interrupted_epoch(tmp_path, uninterrupted):
     # Keras' own callback: SIGTERM ends the process, and the re-run starts the
     # epoch over with other Dropout masks and another order.
