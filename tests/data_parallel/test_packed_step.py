@@ -75,6 +75,17 @@ def test_a_layout_packs_and_unpacks_tensors_of_several_dtypes_in_order():
         np.testing.assert_array_equal(got, want)
 
 
+def test_a_layout_and_device_of_take_variables_as_stored_inside_an_autocast_scope():
+    # A mixed model's call opens a float16 scope, in which a Keras variable reports float16 and reads cast.
+    from keras.src.backend import AutocastScope
+
+    with tf.device("/cpu:1"):
+        variables = [keras.Variable(np.ones(2), dtype="float32"), keras.Variable(np.ones(3), dtype="bfloat16")]
+    with AutocastScope("float16"):
+        assert packing.Layout(variables).keys == ["float32", "bfloat16"]
+        assert all(packing.device_of(v).endswith("CPU:1") for v in variables)
+
+
 def test_device_reads_cut_each_devices_buffers_back_into_the_variables_values():
     with tf.device("/cpu:0"):
         first = [keras.Variable([[1.0, 2.0]]), keras.Variable(3, dtype="int64")]

@@ -245,9 +245,8 @@ class CompiledReplicas:
 
     def _arguments(self, pieces, plan, loss_scale):
         """Each replica's arguments: the variables' values (packed), its rows, its scalars."""
-        with keras_private.without_autocast():  # as stored: the parallel model's call opens a float16 scope
-            self._prepare()
-            read = self._reads.read()
+        self._prepare()
+        read = self._reads.read()
         batch = tf.cast(plan.batch, tf.float32)
         loss_scale = tf.cast(loss_scale, tf.float32)
         arguments = []

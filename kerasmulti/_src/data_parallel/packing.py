@@ -38,7 +38,8 @@ class Layout:
     """
 
     def __init__(self, tensors):
-        self.keys = [tf.as_dtype(t.dtype).name for t in tensors]
+        with keras_private.without_autocast():  # a variable's dtype as stored, also inside a mixed model's call
+            self.keys = [tf.as_dtype(t.dtype).name for t in tensors]
         self.shapes = [tuple(t.shape) for t in tensors]
         self.sizes = {}
         for key, shape in zip(self.keys, self.shapes):
@@ -78,7 +79,8 @@ def _elements(shape) -> int:
 
 def device_of(variable) -> str:
     """The device a Keras (or TensorFlow) variable lives on."""
-    return getattr(variable, "value", variable).device
+    with keras_private.without_autocast():  # an autocast read would be a cast tensor's device
+        return getattr(variable, "value", variable).device
 
 
 class DeviceReads:

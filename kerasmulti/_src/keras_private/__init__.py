@@ -257,6 +257,24 @@ def sequential_layers(model) -> list:
     return list(model._layers)
 
 
+@contextlib.contextmanager
+def without_autocast():
+    """Inside: no autocast scope, as outside every layer's call; Keras variables read and report their stored dtypes.
+
+    A layer's call opens Keras' autocast scope (float16 under mixed_float16),
+    also a model's with `autocast=False` whose compute dtype is not its
+    variables'; the packed reads and state scopes (`packing.py`) take the
+    variables as stored. `AutocastScope(None)` does not: under it a variable's
+    `dtype` reports the default float type, float32 for a bfloat16 one.
+    """
+    previous = global_state.get_global_attribute("autocast_scope")
+    global_state.set_global_attribute("autocast_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("autocast_scope", previous)
+
+
 # --- Training -------------------------------------------------------------------
 
 
@@ -330,24 +348,6 @@ def backup_due(callback, batch: int) -> bool:
 
 
 # --- TensorFlow runtime ---------------------------------------------------------
-
-
-@contextlib.contextmanager
-def without_autocast():
-    """Inside: no autocast scope, as outside every layer's call; Keras variables read and report their stored dtypes.
-
-    A layer's call opens Keras' autocast scope (float16 under mixed_float16),
-    also a model's with `autocast=False` whose compute dtype is not its
-    variables'; the packed reads and state scopes (`packing.py`) take the
-    variables as stored. `AutocastScope(None)` does not: under it a variable's
-    `dtype` reports the default float type, float32 for a bfloat16 one.
-    """
-    previous = global_state.get_global_attribute("autocast_scope")
-    global_state.set_global_attribute("autocast_scope", None)
-    try:
-        yield
-    finally:
-        global_state.set_global_attribute("autocast_scope", previous)
 
 
 def tensorflow_started() -> bool:
