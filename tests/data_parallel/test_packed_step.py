@@ -75,6 +75,23 @@ def test_a_layout_packs_and_unpacks_tensors_of_several_dtypes_in_order():
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("count", [17, 300])  # two levels of joins; three (more than 16 x 16 pieces)
+def test_many_pieces_pack_exactly_in_xla_with_no_concatenation_of_more_than_16(count):
+    # XLA's CPU compiler takes time superlinear in one concatenation's operands (214 pieces: 1.3 s).
+    rng = np.random.default_rng(count)
+    tensors = [tf.constant(rng.normal(size=(k % 3 + 1, 2)), tf.float32) for k in range(count)]
+    tensors += [tf.constant([k], tf.int32) for k in range(5)]
+    layout = packing.Layout(tensors)
+    pack = tf.function(layout.pack, jit_compile=True, autograph=False)
+    flats = pack(tensors)
+    np.testing.assert_array_equal(flats["float32"], np.concatenate([t.numpy().ravel() for t in tensors[:count]]))
+    np.testing.assert_array_equal(flats["int32"], np.arange(5))
+    hlo = pack.experimental_get_compiler_ir(tensors)(stage="optimized_hlo")
+    joins = [line for line in hlo.splitlines() if " concatenate(" in line]
+    widest = max(line.split(" concatenate(")[1].split(")")[0].count("%") for line in joins)
+    assert 2 <= widest <= 16, joins
+
+
 def test_a_layout_and_device_of_take_variables_as_stored_inside_an_autocast_scope():
     # A mixed model's call opens a float16 scope, in which a Keras variable reports float16 and reads cast.
     from keras.src.backend import AutocastScope

@@ -337,10 +337,12 @@ def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(t
     reference = np.load(tmp_path / "reference.npz")
     workers = [np.load(tmp_path / f"worker-{i}.npz") for i in range(2)]
     # weights, losses and every optimizer variable: iterations, moments, accumulators
-    assert {k.split("/")[0] for k in reference.files} == {"adam", "adamw"}
+    assert {k.split("/")[0] for k in reference.files} == {"adam", "adamw", "mixed"}
     assert any("gradient_accumulator" in k for k in reference.files)
     for key in reference.files:
-        np.testing.assert_allclose(workers[0][key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
+        # mixed_float16: each worker's float16 sums cover its rows (rounding, not another algorithm)
+        tolerance = dict(rtol=1e-3, atol=1e-3) if key.startswith("mixed/") else dict(rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(workers[0][key], reference[key], **tolerance, err_msg=key)
         np.testing.assert_array_equal(workers[1][key], workers[0][key], err_msg=key)
     # the runs end mid-accumulation: 15 steps with k=2, 20 with k=3
     assert int(reference["adam/optimizer/adam/iteration"]) == 15
@@ -348,6 +350,9 @@ def test_gradient_accumulation_across_workers_gives_the_weights_of_one_process(t
     for phase in ("adam", "adamw"):
         pending = [reference[k] for k in reference.files if k.startswith(phase + "/") and "accumulator" in k]
         assert max(np.abs(value).max() for value in pending) > 0, phase
+    # mixed_float16: compile's loss scale, halved where a step overflowed (the same steps as one process)
+    assert float(reference["mixed/optimizer/loss_scale_optimizer/dynamic_scale"]) == 2.0**14  # one step skipped
+    assert int(reference["mixed/optimizer/adam_1/iteration"]) == 9  # of 10
     message = str(workers[1]["refusal/message"])
     assert "does not keep use_ema's moving averages" in message and message.endswith("Received: use_ema=True")
 

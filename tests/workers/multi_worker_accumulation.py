@@ -13,6 +13,11 @@ worker's part is empty). Phases:
   call (20 steps): accumulations straddle an epoch's end and the two fit
   calls, and the last two steps' sum is left unapplied. Biases are excluded
   from weight decay (`exclude_from_weight_decay`).
+- mixed: a mixed_float16 model (a float32 output layer, BatchNormalization),
+  Adam with the loss scale compile adds, steps=2, 2 epochs, on data scaled
+  down: one step overflows at 2**15 and is skipped, in both runs. A worker's
+  float16 sums cover its rows, one process's the batch's: where only the
+  batch's overflows, the two would skip different steps (docs/multi-worker.md).
 - refusal: use_ema with accumulation (workers only).
 
 The optimizer's variables (iterations, moments, the accumulators) are saved
@@ -36,24 +41,29 @@ rng = np.random.default_rng(21)
 x, y = rng.normal(size=(17, 5)).astype("float32"), rng.normal(size=(17, 1)).astype("float32")
 
 
-def model(batchnorm=False):
+def model(batchnorm=False, policy="float32"):
     keras.utils.set_random_seed(5)
+    keras.mixed_precision.set_global_policy(policy)  # the model's own policy: compile adds a loss scale
     layers = [keras.Input((5,)), keras.layers.Dense(6, activation="relu")]
     if batchnorm:
         layers.append(keras.layers.BatchNormalization(momentum=0.5))
-    return keras.Sequential(layers + [keras.layers.Dense(1)])
+    built = keras.Sequential(layers + [keras.layers.Dense(1, dtype="float32")])
+    keras.mixed_precision.set_global_policy("float32")
+    return built
 
 
-def train(phase, template, optimizer, epochs):
+def train(phase, template, optimizer, epochs, scale=1.0):
     target = template if reference else kerasmulti.parallelize(template)
     target.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     losses = []
     for count in epochs:  # one fit() call each
-        losses += target.fit(x, y, batch_size=4, epochs=count, shuffle=False, verbose=0).history["loss"]
+        losses += target.fit(x * scale, y * scale, batch_size=4, epochs=count, shuffle=False, verbose=0).history["loss"]
     for i, weight in enumerate(template.get_weights()):
         results[f"{phase}/weight{i}"] = weight
     for variable in target.optimizer.variables:
-        results[f"{phase}/optimizer/{variable.path}"] = np.asarray(variable)
+        # One process names a loss scale's inner optimizer's slots under the scale's name; a worker does not.
+        path = variable.path.replace("loss_scale_optimizer/", "", 1) if variable.path.count("/") > 1 else variable.path
+        results[f"{phase}/optimizer/{path}"] = np.asarray(variable)
     results[f"{phase}/loss"] = np.asarray(losses)
 
 
@@ -64,6 +74,7 @@ adamw = keras.optimizers.AdamW(
 )
 adamw.exclude_from_weight_decay(var_names=["bias"])  # not in the config: kept when re-created on a worker
 train("adamw", model(batchnorm=True), adamw, epochs=[2, 2])
+train("mixed", model(batchnorm=True, policy="mixed_float16"), keras.optimizers.Adam(0.05, gradient_accumulation_steps=2), [2], 0.01)
 
 if not reference:
     try:
