@@ -286,16 +286,17 @@ class CompiledReplicas:
             # Where the loss does not reach a variable, the optimizer is told so (as one device's step).
             values = [g if connected else None for g, connected in zip(values, self._connected)]
             self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))
-        states = [self._state.unpack(s) for s in states]
-        for k, variable in enumerate(template.non_trainable_variables):
-            first = states[0][k]
-            if self._is_seed[k] or not first.dtype.is_floating:
-                variable.assign(first)
-                continue
-            # The replicas' values weighted by their rows: first + sum(share *
-            # (v - first)), so that equal values stay bit for bit.
-            spread = [tf.cast(s, first.dtype) * (r[k] - first) for r, s in zip(states[1:], shares[1:])]
-            variable.assign(first + tf.add_n(spread) if spread else first)
+        # The replicas' float values weighted by their rows, one buffer per dtype at a time:
+        # first + sum(share * (v - first)), so that equal values stay bit for bit. Seeds are the first's.
+        first, merged = states[0], dict(states[0])
+        for key, flat in first.items():
+            if flat.dtype.is_floating and len(states) > 1:
+                merged[key] = flat + tf.add_n([tf.cast(s, flat.dtype) * (r[key] - flat) for r, s in zip(states[1:], shares[1:])])
+        values = self._state.unpack(merged)
+        if any(seed and tf.as_dtype(key).is_floating for seed, key in zip(self._is_seed, self._state.keys)):
+            values = [f if seed else v for f, v, seed in zip(self._state.unpack(first), values, self._is_seed)]
+        for variable, value in zip(template.non_trainable_variables, values):
+            variable.assign(value)
 
     def _replica(
         self, read, x, y, sample_weight, replica, share, valid, rows, batch, loss_scale, totals, training, mode,

@@ -52,12 +52,12 @@ class Layout:
         """The tensors (in the layout's order) as one flat tensor per dtype name."""
         groups = {}
         for key, t in zip(self.keys, tensors):
-            groups.setdefault(key, []).append(tf.reshape(t, [-1]))
+            groups.setdefault(key, []).append(_shaped(t, [-1]))
         return {key: _joined(parts) for key, parts in groups.items()}
 
     def unpack(self, flats: dict) -> list:
         """`pack`'s inverse: the tensors, each with its own shape, in the layout's order."""
-        return [tf.reshape(piece, shape) for piece, shape in zip(self.split(flats), self.shapes)]
+        return [_shaped(piece, shape) for piece, shape in zip(self.split(flats), self.shapes)]
 
     def split(self, flats: dict) -> list:
         """`pack`'s buffers cut into flat pieces, in the layout's order: one split per dtype."""
@@ -88,6 +88,14 @@ def _tree(parts: list):
     children = [_tree(parts[i : i + size]) for i in range(0, len(parts), size)]
     rank = 1 + max(child.shape.rank for child in children)
     return tf.concat([tf.reshape(child, [1] * (rank - 1) + [-1]) for child in children], axis=rank - 1)
+
+
+def _shaped(tensor, shape):
+    """`tf.reshape`, left out where `tensor` has that shape already (a vector: half a model's weights, each traced)."""
+    known = tensor.shape
+    if known.rank == 1 and len(shape) == 1 and (shape[0] == -1 or known[0] == shape[0]) and known.is_fully_defined():
+        return tensor
+    return tf.reshape(tensor, shape)
 
 
 def summed(buffers: list) -> dict:
@@ -150,7 +158,7 @@ class DeviceReads:
         compiles every kernel that reads one anew, where the same layer shapes
         repeated (ResNet's blocks) otherwise share their kernels.
         """
-        return [tf.reshape(piece, variable.shape) for piece, variable in zip(pieces, self.variables)]
+        return [_shaped(piece, variable.shape) for piece, variable in zip(pieces, self.variables)]
 
 
 class StoredScope(keras.StatelessScope):
