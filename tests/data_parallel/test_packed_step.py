@@ -324,3 +324,32 @@ def test_variables_stored_in_other_float_dtypes_train_under_xla_as_on_one_device
     assert [v.dtype for v in template.weights] == [v.dtype for v in reference.weights]
     for got, expected in zip(template.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got.astype("float64"), expected.astype("float64"), rtol=1e-3, atol=1e-4)
+
+
+class _LastMean(keras.layers.Layer):
+    """Assigns its input's mean over the rows to a non-trainable vector (of `dtype`) in a training call."""
+
+    def build(self, input_shape):
+        self.last = self.add_weight(shape=(input_shape[-1],), initializer="zeros", trainable=False, name="last")
+
+    def call(self, x, training=False):
+        if training:
+            self.last.assign(keras.ops.cast(keras.ops.mean(keras.ops.cast(x, "float32"), axis=0), self.last.dtype))
+        return x
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_state_is_merged_by_rows_in_float32_and_rounded_once(dtype):
+    # Two rows of zeros on the first device, one row c on the second: first + 1/3 * (c - first)
+    # in float32, rounded once; taken in the state's dtype the share itself would be rounded.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), _LastMean(dtype=dtype), keras.layers.Dense(1)])
+    parallel = kerasmulti.parallelize(model, gpus=2, split=[2, 1])
+    parallel.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    c = np.asarray(np.random.default_rng(3).uniform(1, 100, size=64), dtype=tf.as_dtype(dtype).as_numpy_dtype)
+    x = np.stack([np.zeros(64), np.zeros(64), c.astype("float32")]).astype("float32")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assigns variables in its call")
+        parallel.train_on_batch(x, np.zeros((3, 1), np.float32))
+    expected = (np.float32(1) / np.float32(3) * c.astype("float32")).astype(c.dtype)
+    np.testing.assert_array_equal(model.layers[0].last.numpy(), expected)
