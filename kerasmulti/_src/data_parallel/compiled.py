@@ -288,7 +288,8 @@ class CompiledReplicas:
             self._model.optimizer.apply_gradients(zip(values, template.trainable_variables))
         # The replicas' float values weighted by their rows, one buffer per dtype at a time:
         # first + sum(share * (v - first)), so that equal values stay bit for bit, in float32
-        # at least (a share rounded to bfloat16 would be 2**-9 off). Seeds are the first's.
+        # at least (a share rounded to bfloat16 would be 2**-9 off). Integers (seed states,
+        # counters) are the first's.
         first, merged = states[0], dict(states[0])
         for key, flat in first.items():
             if flat.dtype.is_floating and len(states) > 1:
@@ -296,10 +297,7 @@ class CompiledReplicas:
                 base = tf.cast(flat, wide)
                 spread = [tf.cast(s, wide) * (tf.cast(r[key], wide) - base) for r, s in zip(states[1:], shares[1:])]
                 merged[key] = tf.cast(base + tf.add_n(spread), flat.dtype)
-        values = self._state.unpack(merged)
-        if any(seed and tf.as_dtype(key).is_floating for seed, key in zip(self._is_seed, self._state.keys)):
-            values = [f if seed else v for f, v, seed in zip(self._state.unpack(first), values, self._is_seed)]
-        for variable, value in zip(template.non_trainable_variables, values):
+        for variable, value in zip(template.non_trainable_variables, self._state.unpack(merged)):
             variable.assign(value)
 
     def _replica(

@@ -76,7 +76,7 @@ def _joined(parts: list):
     level of the tree joins along an axis of its own: concatenations of
     concatenations along one axis would be merged back into one by XLA.
     """
-    return tf.reshape(_tree(parts), [-1])
+    return _shaped(_tree(parts), [-1])
 
 
 def _tree(parts: list):
@@ -91,7 +91,7 @@ def _tree(parts: list):
 
 
 def _shaped(tensor, shape):
-    """`tf.reshape`, left out where `tensor` has that shape already (a vector: half a model's weights, each traced)."""
+    """`tf.reshape`, left out where `tensor` has that shape already (a vector: many of a model's weights)."""
     known = tensor.shape
     if known.rank == 1 and len(shape) == 1 and (shape[0] == -1 or known[0] == shape[0]) and known.is_fully_defined():
         return tensor
