@@ -475,6 +475,23 @@ def test_an_error_that_a_ctrl_c_became_inside_a_c_call_is_the_interrupt(monkeypa
     assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
 
 
+def test_ctrl_c_while_tensorflow_loads_lets_the_import_finish_then_ends_with_130(monkeypatch, capsys, tmp_path):
+    # Raised inside TensorFlow's import, the KeyboardInterrupt left it half loaded: the
+    # process said its line, then ended killed by SIGINT (exit -2), in 3 of 60 tries.
+    from kerasmulti._src.commands import cli as _cli
+
+    loaded = []
+
+    def loading(requested, pin_threads):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C halfway through the import
+        loaded.append("the rest of the import")
+
+    monkeypatch.setattr(_cli, "_simulate_without_gpus", loading)
+    assert _cli.main(["predict", "m.keras", "x.npy", "--output", str(tmp_path / "out.h5")]) == 130
+    assert loaded == ["the rest of the import"]
+    assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted; no rows were written yet"]
+
+
 def test_an_error_the_command_reports_after_ctrl_c_is_one_line_not_two(monkeypatch, capsys, tmp_path):
     from kerasmulti._src.commands import cli as _cli
     from kerasmulti._src.inference import output_file as _output_file

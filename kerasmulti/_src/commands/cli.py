@@ -7,14 +7,17 @@ a shell reports SIGINT, always: TensorFlow can swallow the KeyboardInterrupt
 (inside an import, or in a C++ call that holds the main thread), so the first
 Ctrl-C also starts a watchdog that ends the process `GRACE_S` later if it is
 still running (`predict`'s output file is safe to stop at any point), and a
-second Ctrl-C ends it at once. Arguments are parsed before TensorFlow loads (this
-module imports nothing heavy, and `import kerasmulti` waits for `main`), so
-`--help` and argument errors answer at once.
+second Ctrl-C ends it at once. While TensorFlow and Keras load, the
+KeyboardInterrupt waits for the import to end (`_CtrlC.held`). Arguments are
+parsed before TensorFlow loads (this module imports nothing heavy, and
+`import kerasmulti` waits for `main`), so `--help` and argument errors answer
+at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -35,6 +38,7 @@ class _CtrlC:
         self.pressed = False
         self._reported = threading.Lock()
         self._watchdog = None
+        self._holding = False
 
     def __call__(self, signum, frame):
         if self.pressed:
@@ -43,7 +47,23 @@ class _CtrlC:
         self._watchdog = threading.Timer(GRACE_S, self.report_and_exit)
         self._watchdog.daemon = True
         self._watchdog.start()
-        raise KeyboardInterrupt
+        if not self._holding:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        """Ctrl-C inside the block raises as it ends; the watchdog runs meanwhile.
+
+        For imports: a KeyboardInterrupt inside TensorFlow's leaves it half
+        loaded, and the process could end killed by SIGINT, not with 130.
+        """
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self.pressed:
+            raise KeyboardInterrupt
 
     def stand_down(self) -> None:
         """The command stopped by itself: the watchdog has nothing left to do."""
@@ -309,7 +329,11 @@ def _run_command(args, ctrl_c: _CtrlC) -> int:
             print(f"kerasmulti: error: {error}", file=sys.stderr)
             return 2
     try:
-        _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
+        with ctrl_c.held():  # TensorFlow and Keras load whole, or not at all
+            _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
+            if args.command != "devices":
+                from kerasmulti._src.commands import demo as _demo
+                from kerasmulti._src.commands import predict as _predict
         if args.command != "devices":
             _check_gpus(args, kerasmulti.available_devices())
         if args.command == "devices":
@@ -317,11 +341,7 @@ def _run_command(args, ctrl_c: _CtrlC) -> int:
                 print(device)
             return 0
         if args.command == "predict":
-            from kerasmulti._src.commands import predict as _predict
-
             return _predict.run(args)
-        from kerasmulti._src.commands import demo as _demo
-
         return _demo.run(
             gpus=args.gpus, epochs=args.epochs, batch_size=args.batch_size, output=args.output
         )
