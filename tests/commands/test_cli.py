@@ -449,6 +449,52 @@ def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
     assert stderr.splitlines() == ["kerasmulti: interrupted"]
 
 
+def test_a_second_ctrl_c_ends_the_command_at_once_also_while_the_watchdog_is_stuck():
+    # The watchdog works out its line by reading predict's output file: behind h5py's lock,
+    # held by a main thread stuck in a write, it waited, and a second Ctrl-C, which found the
+    # line being said, raised another KeyboardInterrupt instead of ending the command.
+    code = (
+        "import signal, threading, time\n"
+        "from kerasmulti._src.commands import cli\n"
+        "cli.GRACE_S = 0.01\n"  # the watchdog starts at once
+        "stuck = threading.Event()\n"
+        "def message():\n"
+        "    stuck.set()\n"
+        "    threading.Event().wait()\n"  # as behind a lock that is never released
+        "signal.signal(signal.SIGINT, cli._CtrlC(message))\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "stuck.wait()\n"
+        "said = False\n"
+        "while True:\n"  # the command runs on, swallowing every KeyboardInterrupt
+        "    try:\n"
+        "        if not said:\n"  # inside the try: the second Ctrl-C cannot land outside it
+        "            said = True\n"
+        "            print('stuck', flush=True)\n"
+        "        time.sleep(600)\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    assert process.stdout.readline() == "stuck\n"
+    process.send_signal(signal.SIGINT)
+    try:
+        stderr = process.communicate(timeout=120)[1]  # generous for a busy machine: it used to run on
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert stderr.splitlines() == ["kerasmulti: interrupted"]
+
+
 def test_ctrl_c_before_the_command_set_its_handler_is_the_same_one_line(monkeypatch, capsys):
     from kerasmulti._src.commands import cli as _cli
 

@@ -39,10 +39,13 @@ class _CtrlC:
         self._reported = threading.Lock()
         self._watchdog = None
         self._holding = False
+        self._said = False
 
     def __call__(self, signum, frame):
-        if self.pressed:
-            self.report_and_exit()  # a second Ctrl-C: the user insists
+        if self.pressed:  # a second Ctrl-C: the user insists, also while the watchdog works out the line
+            if not self.report() and not self._said:
+                print("kerasmulti: interrupted", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED)
         self.pressed = True
         self._watchdog = threading.Timer(GRACE_S, self.report_and_exit)
         self._watchdog.daemon = True
@@ -81,6 +84,7 @@ class _CtrlC:
         except Exception:  # the watchdog must still say it and exit
             message = "kerasmulti: interrupted"
         print(message, file=sys.stderr, flush=True)
+        self._said = True
         return True
 
     def report_and_exit(self) -> None:
