@@ -422,6 +422,17 @@ def test_ctrl_c_at_random_moments_of_predict_always_stops_it_and_the_same_comman
         np.testing.assert_allclose(f["out"][:], expected, rtol=1e-5, atol=1e-6)
 
 
+def _ready_and_interrupted(code: str) -> subprocess.Popen:
+    """A Python process running `code`, sent Ctrl-C once it printed "ready"."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGINT)
+    return process
+
+
 def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
     # TensorFlow swallowed a KeyboardInterrupt inside an import and the command ran on
     # (issue #26): the watchdog the first Ctrl-C starts ends it, with the one line.
@@ -438,12 +449,7 @@ def test_ctrl_c_that_the_command_swallows_still_ends_it_with_exit_130():
         "while True:\n"  # swallowed: the command runs on, as TensorFlow's did
         "    time.sleep(0.05)\n"
     )
-    process = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    assert process.stdout.readline() == "ready\n"
-    process.send_signal(signal.SIGINT)
+    process = _ready_and_interrupted(code)
     stderr = process.communicate(timeout=120)[1]  # GRACE_S (5 s) then the exit; generous for a busy machine
     assert process.returncode == 130
     assert stderr.splitlines() == ["kerasmulti: interrupted"]
@@ -479,12 +485,7 @@ def test_a_second_ctrl_c_ends_the_command_at_once_also_while_the_watchdog_is_stu
         "    except KeyboardInterrupt:\n"
         "        pass\n"
     )
-    process = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    assert process.stdout.readline() == "ready\n"
-    process.send_signal(signal.SIGINT)
+    process = _ready_and_interrupted(code)
     assert process.stdout.readline() == "stuck\n"
     process.send_signal(signal.SIGINT)
     try:
