@@ -13,6 +13,7 @@ The shared conformance list checks every model kind under XLA
 
 from simulated import DEVICES
 
+import types
 import warnings
 
 import keras
@@ -158,6 +159,56 @@ def test_the_update_program_is_traced_once_with_the_optimizer_built_as_one_devic
     # Under the optimizer's own name, as Keras' `apply` builds it.
     assert {v.path.split("/")[0] for v in parallel.optimizer.variables} == {parallel.optimizer.name}
     assert len(parallel.optimizer.variables) == len(reference.optimizer.variables)
+
+
+class _CountedDense(keras.layers.Dense):
+    """A Dense that counts the calls traced through it (in `calls.n`: Keras would copy a list)."""
+
+    def __init__(self, units, calls, **kwargs):
+        super().__init__(units, **kwargs)
+        self.calls = calls
+
+    def call(self, x):
+        self.calls.n += 1
+        return super().call(x)
+
+
+class _CountedWrapper(keras.layers.Layer):
+    """The same, with no `compute_output_shape`: Keras traces its call alone for its output's shape."""
+
+    def __init__(self, units, calls, **kwargs):
+        super().__init__(**kwargs)
+        self.dense, self.calls = keras.layers.Dense(units), calls
+
+    def call(self, x):
+        self.calls.n += 1
+        return self.dense(x)
+
+
+@pytest.mark.parametrize("layer, alone", [(_CountedDense, 0), (_CountedWrapper, 1)], ids=["output shapes", "a call alone"])
+def test_a_functional_models_first_step_traces_its_call_as_one_device_does(layer, alone):
+    # Keras' loss was built on a symbolic run of the whole call first (as Keras does under a
+    # strategy): 0.3 s of the ResNet50-shaped model's first step. A functional model's outputs
+    # come layer by layer, from their output shapes or, where a layer has none, its call alone.
+    calls, x = types.SimpleNamespace(n=0), np.random.default_rng().normal(size=(12, 4)).astype("float32")  # even shares
+
+    def build():
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, keras.layers.Dense(2)(layer(3, calls)(inputs)))
+
+    reference = build()
+    reference.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    calls.n = 0
+    expected = reference.train_on_batch(x, x[:, :2])
+    one_device = calls.n
+    assert one_device > 0
+    for jit_compile, traced in ((True, one_device), (False, DEVICES * one_device)):  # uncompiled: once per replica
+        parallel = kerasmulti.parallelize(build(), gpus=DEVICES)
+        parallel.compile(optimizer="sgd", loss="mse", jit_compile=jit_compile)
+        calls.n = 0
+        np.testing.assert_allclose(parallel.train_on_batch(x, x[:, :2]), expected, rtol=1e-6)
+        assert calls.n == traced + alone, jit_compile
 
 
 class _Unreached(keras.layers.Layer):

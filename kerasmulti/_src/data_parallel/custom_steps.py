@@ -330,7 +330,7 @@ class CustomSteps:
         if compiled is None or compiled.built or not template.built:
             return
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = keras_private.compute_output_spec(template, x, training=False)
+        y_pred = keras_private.symbolic_outputs(template, x)
         keras_private.compute_output_spec(keras_private.compute_loss, template, x, y, y_pred, sample_weight, False)
 
 

@@ -253,5 +253,5 @@ class LocalParallelModel(ParallelModel):
         compiled = keras_private.compiled_loss(self)
         if compiled is None or compiled.built:
             return
-        y_pred = compute_output_spec(self._template, x, training=False)
+        y_pred = keras_private.symbolic_outputs(self._template, x)
         compute_output_spec(keras_private.compute_loss, self, x, y, y_pred, sample_weight, False)
