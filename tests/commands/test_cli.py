@@ -81,8 +81,10 @@ def test_the_demo_says_when_other_processes_were_busy(capsys):
 
 
 @pytest.mark.parametrize("command", [["demo"], ["predict", "m.keras", "x.npy", "--output", "o.h5"]])
-def test_more_devices_than_exist_are_refused_with_the_flags_that_fix_it(command):
-    result = _kerasmulti(*command, "--gpus", "5")
+def test_more_devices_than_exist_are_refused_with_the_flags_that_fix_it(command, tmp_path):
+    for name in ("m.keras", "x.npy"):  # there: predict checks its paths first
+        (tmp_path / name).touch()
+    result = _kerasmulti(*command, "--gpus", "5", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert (
@@ -297,6 +299,10 @@ def _importtime(*args):
         (["--simulate", "2"], 2, "kerasmulti: error: the following arguments are required: command"),
         (["demo", "--gpus", "0"], 2, "kerasmulti demo: error: argument --gpus: must be a positive int. Received: '0'"),
         (["demo", "--help"], 0, "rows per global batch (default: 128)"),
+        # A mistyped path: it took TensorFlow's start-up (~3 s and seven lines of its log) first.
+        (["predict", "nope.keras", "x.npy", "--output", "o.h5"], 2,
+         "kerasmulti: error: The model file 'nope.keras' does not exist. Received: model='nope.keras'\n"),
+        (["predict", "nope.keras", "x.npy", "--output", "o.npy"], 2, "--output is an HDF5 file, not numpy's format."),
     ],
 )
 def test_help_and_argument_errors_answer_without_loading_tensorflow(args, code, message):
@@ -534,6 +540,9 @@ def test_ctrl_c_while_tensorflow_loads_lets_the_import_finish_then_ends_with_130
         loaded.append("the rest of the import")
 
     monkeypatch.setattr(_cli, "_simulate_without_gpus", loading)
+    monkeypatch.chdir(tmp_path)
+    for name in ("m.keras", "x.npy"):  # there: predict checks its paths before TensorFlow loads
+        (tmp_path / name).touch()
     assert _cli.main(["predict", "m.keras", "x.npy", "--output", str(tmp_path / "out.h5")]) == 130
     assert loaded == ["the rest of the import"]
     assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted; no rows were written yet"]
@@ -546,6 +555,8 @@ def test_an_error_the_command_reports_after_ctrl_c_is_one_line_not_two(monkeypat
     monkeypatch.chdir(tmp_path)
     with h5py.File("out.h5", "w") as f:  # a run interrupted before, 3 rows done
         f.attrs[_output_file.PROGRESS] = 3
+    for name in ("m.keras", "x.npy"):  # there, as the command checks before it loads anything
+        open(name, "w").close()
 
     def load_interrupted(args):  # what predict's loading turned a Ctrl-C into
         signal.raise_signal(signal.SIGINT)

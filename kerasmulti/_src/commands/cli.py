@@ -333,6 +333,10 @@ def _run_command(args, ctrl_c: _CtrlC) -> int:
             print(f"kerasmulti: error: {error}", file=sys.stderr)
             return 2
     try:
+        if args.command == "predict":
+            from kerasmulti._src.commands import paths as _paths
+
+            _paths.check(args)  # before TensorFlow loads: a mistyped path answers at once
         with ctrl_c.held():  # TensorFlow and Keras load whole, or not at all
             _simulate_without_gpus(args.simulate, pin_threads=args.command == "demo")
             if args.command != "devices":

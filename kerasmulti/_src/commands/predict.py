@@ -18,26 +18,13 @@ import h5py
 import keras
 import numpy as np
 
+from kerasmulti._src.commands import paths as _paths
 from kerasmulti._src.inference import output_file as _output_file
 from kerasmulti._src.inference.parallel_predict import parallel_predict
 from kerasmulti._src.model_parallel import portable as _portable
 
-MODEL_SUFFIXES = (".keras", ".h5", ".hdf5")  # the files Keras' load_model reads, by their names
-
 
 def _model_from_file(path: str):
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "saved_model.pb")):
-            raise ValueError(
-                "The model is a TensorFlow SavedModel folder, which Keras 3 cannot load. Save it as .keras "
-                "or use keras.layers.TFSMLayer. "
-                f"Received: model={path!r}"
-            )
-        raise ValueError(f"'{path}' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model={path!r}")
-    if not os.path.isfile(path):
-        raise ValueError(f"The model file '{path}' does not exist. Received: model={path!r}")
-    if not path.endswith(MODEL_SUFFIXES):  # as Keras tells them apart; its refusal is a paragraph
-        raise ValueError(f"MODEL is not a model file: pass a .keras or .h5 file, as model.save() writes. Received: model={path!r}")
     try:
         # A placed model keeps its placement; predicting needs no loss or optimizer.
         return _portable.load_model(path, compile=False)
@@ -48,23 +35,6 @@ def _model_from_file(path: str):
             f"The file could not be loaded as a Keras model ({type(error).__name__}: "
             f"{error}). Pass a .keras or .h5 file. Received: model={path!r}"
         ) from error
-
-
-def _check_output(path: str) -> None:
-    """Refuses an --output that names no HDF5 file, in the command's words (parallel_predict() says output=)."""
-    problem = _output_file.path_problem(path)
-    if problem == "empty":
-        raise ValueError("--output is empty. Name the HDF5 file for the results, e.g. --output features.h5. Received: --output=''")
-    if problem == "numpy":
-        raise ValueError(
-            f"--output is an HDF5 file, not numpy's format. Name it e.g. --output {os.path.splitext(path)[0]}.h5. "
-            f"Received: --output={path!r}"
-        )
-    if problem == "folder":
-        raise ValueError(
-            f"--output is a folder. Name an HDF5 file in it, e.g. --output {os.path.join(path, 'features.h5')}. "
-            f"Received: --output={path!r}"
-        )
 
 
 def _hdf5_input(path: str, name: str | None, stack):
@@ -180,10 +150,8 @@ def _image_input(args, model, extra: dict):
 
 
 def run(args) -> int:
-    _check_output(args.output)
+    _paths.check(args)  # the command checked them before TensorFlow loaded; a caller of run() may not have
     model = _model_from_file(args.model)
-    if not os.path.exists(args.input):
-        raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
     extra = {}
     with contextlib.ExitStack() as stack:
         if os.path.isdir(args.input):

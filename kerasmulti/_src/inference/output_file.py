@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 from keras import tree
 
+from kerasmulti._src.inference.output_path import path_problem
 from kerasmulti._src.utils import atomic as _atomic
 
 PROGRESS = "kerasmulti_rows_done"
@@ -65,17 +66,6 @@ def check_path(output) -> str:
             f"output={os.path.join(path, 'features.h5')!r}. Received: output={path!r}"
         )
     return path
-
-
-def path_problem(path: str) -> str | None:
-    """Why `path` cannot name the output file ("empty", "numpy", "folder"), or None; callers say it in their words."""
-    if not path:
-        return "empty"
-    if path.lower().endswith((".npy", ".npz")):
-        return "numpy"  # written anyway, it would be an HDF5 file that np.load cannot read
-    if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        return "folder"
-    return None
 
 
 def check_not_input(data, output: str) -> None:
