@@ -39,12 +39,10 @@ class _CtrlC:
         self._reported = threading.Lock()
         self._watchdog = None
         self._holding = False
-        self._said = False
 
     def __call__(self, signum, frame):
         if self.pressed:  # a second Ctrl-C: the user insists, also while the watchdog works out the line
-            if not self.report() and not self._said:
-                print("kerasmulti: interrupted", file=sys.stderr, flush=True)
+            self._say("kerasmulti: interrupted")  # unless a line was said
             os._exit(INTERRUPTED)
         self.pressed = True
         self._watchdog = threading.Timer(GRACE_S, self.report_and_exit)
@@ -74,17 +72,27 @@ class _CtrlC:
             self._watchdog.cancel()
 
     def report(self) -> bool:
-        """Prints the one line, once; False if it was printed already."""
+        """Prints the one line, once; False if a line was printed already.
+
+        The line is worked out first, outside the lock: stuck there (reading
+        predict's file behind h5py's lock), it keeps no other line from being said.
+        """
+        try:
+            message = self.message() if callable(self.message) else self.message
+        except Exception:  # the watchdog must still say it and exit
+            message = "kerasmulti: interrupted"
+        return self._say(message)
+
+    def _say(self, message: str) -> bool:
+        """Prints `message` unless a line was printed already; whether it did."""
         if not self._reported.acquire(blocking=False):
             return False
         try:
             if self.stdout is not None and self.stdout.mid_line:  # a progress bar's: the line goes below it
                 self.stdout.end_line()
-            message = self.message() if callable(self.message) else self.message
-        except Exception:  # the watchdog must still say it and exit
-            message = "kerasmulti: interrupted"
+        except Exception:  # the line is said all the same
+            pass
         print(message, file=sys.stderr, flush=True)
-        self._said = True
         return True
 
     def report_and_exit(self) -> None:
