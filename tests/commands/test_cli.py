@@ -528,9 +528,11 @@ def test_an_error_that_a_ctrl_c_became_inside_a_c_call_is_the_interrupt(monkeypa
     assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted"]
 
 
-def test_ctrl_c_while_tensorflow_loads_lets_the_import_finish_then_ends_with_130(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("command", ["predict", "devices"])
+def test_ctrl_c_while_tensorflow_loads_lets_the_import_finish_then_ends_with_130(command, monkeypatch, capsys, tmp_path):
     # Raised inside TensorFlow's import, the KeyboardInterrupt left it half loaded: the
     # process said its line, then ended killed by SIGINT (exit -2), in 3 of 60 tries.
+    # `devices` had no handler at all: its Ctrl-C was Python's own.
     from kerasmulti._src.commands import cli as _cli
 
     loaded = []
@@ -543,9 +545,11 @@ def test_ctrl_c_while_tensorflow_loads_lets_the_import_finish_then_ends_with_130
     monkeypatch.chdir(tmp_path)
     for name in ("m.keras", "x.npy"):  # there: predict checks its paths before TensorFlow loads
         (tmp_path / name).touch()
-    assert _cli.main(["predict", "m.keras", "x.npy", "--output", str(tmp_path / "out.h5")]) == 130
+    args = ["predict", "m.keras", "x.npy", "--output", str(tmp_path / "out.h5")] if command == "predict" else [command]
+    assert _cli.main(args) == 130
     assert loaded == ["the rest of the import"]
-    assert capsys.readouterr().err.splitlines() == ["kerasmulti: interrupted; no rows were written yet"]
+    line = "kerasmulti: interrupted; no rows were written yet" if command == "predict" else "kerasmulti: interrupted"
+    assert capsys.readouterr().err.splitlines() == [line]
 
 
 def test_an_error_the_command_reports_after_ctrl_c_is_one_line_not_two(monkeypatch, capsys, tmp_path):

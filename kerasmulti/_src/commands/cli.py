@@ -30,7 +30,7 @@ GRACE_S = 5.0  # after Ctrl-C, how long the command may take to stop by itself
 
 
 class _CtrlC:
-    """The SIGINT handler of `demo` and `predict`: KeyboardInterrupt, and a watchdog behind it."""
+    """The SIGINT handler of `demo`, `devices` and `predict`: KeyboardInterrupt, and a watchdog behind it."""
 
     def __init__(self, message: str | Callable[[], str], stdout: _Stdout | None = None):
         self.message = message  # a callable says it as things are when Ctrl-C is pressed
@@ -259,7 +259,7 @@ def _main(argv: list[str] | None, ignore_ctrl_c_after: bool) -> int:
     # unless the user chose a backend (which keras_private then refuses).
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     # The launcher stops its workers itself on Ctrl-C, and must not be cut short.
-    watched = args.command in ("demo", "predict") and threading.current_thread() is threading.main_thread()
+    watched = args.command != "launch" and threading.current_thread() is threading.main_thread()
     stdout = _Stdout(sys.stdout) if watched else None
     if stdout is not None:
         sys.stdout = stdout
