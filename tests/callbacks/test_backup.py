@@ -370,6 +370,26 @@ def test_a_backup_between_two_calls_of_a_new_steps_per_execution_is_refused(tmp_
         parallel.fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3)])
 
 
+def test_a_mid_epoch_backup_resumed_with_another_batch_size_is_refused_before_the_model_is_touched(tmp_path):
+    # Step 6 of 10 batches of 4 is row 24; with batches of 8 it would have named row 48 (found by review:
+    # an epoch of 5 steps passed over all of them, and 24 of its 40 rows were never trained).
+    x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="stopped"):
+        _parallel().fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3), StopAfterBatches(7)])
+    parallel = _parallel(seed=4)
+    before = [np.array(w) for w in parallel.weights]
+    with pytest.raises(ValueError, match=r"^ParallelBackupAndRestore cannot resume after step 6 of 10: this fit's epochs "
+                       r"have 5 steps\. Fit with the batch_size and data of the backup, or delete backup_dir\. Received: steps=5$"):
+        parallel.fit(x, y, batch_size=8, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3)])
+    for a, b in zip(before, parallel.weights):
+        np.testing.assert_array_equal(np.asarray(b), a)
+    # The batch size it was written with resumes from it.
+    resumed = _parallel(seed=4)
+    resumed.fit(x, y, batch_size=4, verbose=0, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=3)])
+    assert int(resumed.optimizer.iterations.numpy()) == 10
+
+
 class _Batches(keras.utils.PyDataset):
     """10 batches of 4 rows, each always the same."""
 

@@ -721,6 +721,21 @@ def test_a_link_is_written_through_as_keras_does(tmp_path):
     assert _no_temporaries(tmp_path) and _no_temporaries(tmp_path / "real")
 
 
+def test_a_replaced_checkpoint_keeps_its_permissions_as_keras_in_place_write_does(tmp_path):
+    # The temporary renamed over it had the umask's mode: a group-writable file lost group write (found by review).
+    _, parallel, x, y = _setup()
+    kept, new = str(tmp_path / "shared.keras"), str(tmp_path / "new.keras")
+    parallel.save(kept)
+    os.chmod(kept, 0o664)
+    umask = os.umask(0o022)
+    try:
+        parallel.fit(x, y, epochs=1, verbose=0, callbacks=[kerasmulti.ParallelModelCheckpoint(p, monitor="loss") for p in (kept, new)])
+    finally:
+        os.umask(umask)
+    assert os.stat(kept).st_mode & 0o777 == 0o664
+    assert os.stat(new).st_mode & 0o777 == 0o644  # a new file: the umask's, as Keras'
+
+
 def test_a_loop_of_links_is_refused_and_left_as_it_is(tmp_path):
     _, parallel, x, y = _setup()
     first, second = tmp_path / "a.keras", tmp_path / "b.keras"

@@ -74,7 +74,7 @@ def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterr
     assert not os.path.exists(tmp_path / "final.npz")
     with open(tmp_path / "backup" / "training_metadata.json") as f:
         assert {k: v for k, v in json.load(f).items() if k != "order_seed"} == {
-            "epoch": epoch, "batch": done - 1, "step": done
+            "epoch": epoch, "batch": done - 1, "step": done, "steps": 6
         }
     # Another seed for Python's `random`: only the backup knows the epochs' order.
     _ran(tmp_path, "--reseed")

@@ -225,6 +225,18 @@ def test_a_model_that_mixes_rows_is_warned_about_at_its_first_parallel_call():
         warnings.simplefilter("error")
         parallel.fit(x, np.zeros((8, 2)), verbose=0)
         kerasmulti.parallelize(mixing, gpus=1).predict(x, verbose=0)  # one device: nothing to split
+        # Outputs that cancel to rounding noise (~1e-8) are not taken for mixing (found by review).
+        keras.utils.set_random_seed(7)  # a model and rows whose outputs' rounding differed, whole and split
+        images = keras.Input((6, 6, 1))
+        normalised = keras.layers.GroupNormalization(groups=2)(keras.layers.Conv2D(2, 3)(images))
+        cancelling = keras.Model(images, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling2D()(normalised)))
+        pictures = np.random.default_rng(4).normal(size=(9, 6, 6, 1)).astype("float32")
+        assert np.max(np.abs(cancelling.predict(pictures, verbose=0))) < 1e-6
+        kerasmulti.parallelize(cancelling, gpus=2).predict(pictures, verbose=0)
+    # Small outputs that do mix rows still are (1e-4 in size, 1e-4 apart).
+    small = keras.Model(inputs, keras.layers.Rescaling(1e-4)(mixing(inputs)), name="small")
+    with pytest.warns(UserWarning, match=r"outputs of 'small' for a row depend on the other rows"):
+        kerasmulti.parallelize(small, gpus=2).predict(x, verbose=0)
 
 
 class _CentredInTraining(keras.layers.Layer):

@@ -194,6 +194,29 @@ def test_the_template_and_its_file_keep_the_jit_compile_asked_for(tmp_path, jit_
     assert on_host.jit_compile is False
 
 
+def test_a_parallel_model_that_came_compiled_keeps_its_compile_when_the_template_is_compiled_again():
+    # It followed the template's new optimizer but kept the old loss, silently: Keras skips `self.optimizer =
+    # value` where the attribute already "is" the value, and the template lent it (found by review).
+    def build():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mae")
+        return model
+
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(9, 4)).astype("float32"), rng.normal(size=(9, 1)).astype("float32")
+    one_device, model = build(), build()
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    with pytest.warns(UserWarning, match=r"template was compiled after the parallel model.*Received: template.optimizer=SGD$"):
+        history = parallel.fit(x, y, batch_size=5, shuffle=False, verbose=0).history
+    assert isinstance(parallel.optimizer, keras.optimizers.Adam) and "optimizer" in vars(parallel)
+    expected = one_device.fit(x, y, batch_size=5, shuffle=False, verbose=0).history
+    np.testing.assert_allclose(history["loss"], expected["loss"], rtol=1e-6)
+    for a, b in zip(one_device.weights, model.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
 def test_a_template_compiled_again_after_the_parallel_model_is_warned_about_once(recwarn):
     # The two train apart: the parallel model trains and saves with its own compile, the template with its.
     model, parallel, x = _trained_parallel()

@@ -4,6 +4,7 @@ from simulated import DEVICES
 
 import io
 import os
+import pathlib
 import random
 import re
 import signal
@@ -181,8 +182,10 @@ def test_bad_batch_size_is_refused(batch_size):
 
 
 def test_unreadable_data_and_wrong_shapes_are_refused():
-    with pytest.raises(TypeError, match=r"reads numpy arrays.*Received: data=str"):
-        kerasmulti.parallel_predict(_two_outputs(), "x.npy")
+    for path in ("x.npy", pathlib.Path("x.npy")):  # the fix was about lists (found by review)
+        with pytest.raises(TypeError, match=r"^parallel_predict\(\) reads arrays, not files\. Open it first: "
+                           r"np\.load\(path, mmap_mode='r'\) for \.npy \(docs/inference\.md\)\. Received: data='x\.npy'$"):
+            kerasmulti.parallel_predict(_two_outputs(), path)
     with pytest.raises(ValueError, match=r"do not fit model.*\(6,\).*Received: row_shapes=\(5,\)"):
         kerasmulti.parallel_predict(_two_outputs(), np.zeros((4, 5), "float32"))
     with pytest.raises(ValueError, match=r"same number of rows.*Received: rows per input \[3, 4\]"):

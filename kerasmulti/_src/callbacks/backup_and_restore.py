@@ -28,11 +28,11 @@ import shutil
 import tempfile
 import warnings
 
-import h5py
 import keras
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
+from kerasmulti._src.callbacks import backup_files as _files
 from kerasmulti._src.callbacks import callback_state as _callback_state
 from kerasmulti._src.callbacks import preemption as _preemption
 from kerasmulti._src.callbacks import training_state as _training_state
@@ -41,16 +41,6 @@ from kerasmulti._src.data_parallel import persistence as _persistence
 from kerasmulti._src.utils import arguments as _arguments
 from kerasmulti._src.utils import atomic as _atomic
 from kerasmulti._src.utils import fault_points as _fault_points
-
-_METADATA = "kerasmulti_training_metadata"
-
-
-class _Damaged(Exception):
-    """A backup file that cannot be read; `reason` says why."""
-
-    def __init__(self, path: str, reason: Exception):
-        super().__init__(path, reason)
-        self.path, self.reason = path, reason
 
 
 class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -99,7 +89,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             `"epoch"` nor a positive int; when training starts, if the backup
             does not fit the model (a changed model), or resumes at a step
             that the model's `steps_per_execution` does not reach (changed
-            since the backup was written).
+            since the backup was written), or mid-epoch where the epochs
+            now have another number of steps (another `batch_size` or data).
         OSError: When training starts, if the backup is damaged and there is
             no previous backup to fall back to, or that is damaged too.
 
@@ -155,7 +146,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             )
         try:
             fields = self._restore(paths["weights"], paths["metadata"])
-        except _Damaged as damaged:
+        except _files.Damaged as damaged:
             fields = self._restore_previous(damaged)
         if fields is not None:
             self._resumed = (fields["epoch"], fields.get("step", 0))
@@ -217,7 +208,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             f"code {_preemption.REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.",
         )
 
-    def _restore_previous(self, damaged: _Damaged):
+    def _restore_previous(self, damaged: _files.Damaged):
         """Resumes from the `.bkp` files, as Keras does, and says so."""
         paths = keras_private.backup_paths(self)
         latest, previous = paths["weights"], paths["previous_weights"]
@@ -234,7 +225,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         )
         try:
             epoch = self._restore(previous, paths["previous_metadata"])
-        except _Damaged as too:
+        except _files.Damaged as too:
             raise OSError(
                 f"ParallelBackupAndRestore cannot resume: '{damaged.path}' and the previous backup are both "
                 f"damaged ({too.reason}). Delete backup_dir to start over. "
@@ -255,7 +246,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         """Loads `weights` and returns the backup's metadata (None: no backup)."""
         if not os.path.exists(weights):
             return None
-        fields = _read_metadata(weights, metadata)
+        fields = _files.read_metadata(weights, metadata)
+        self._check_steps(fields)  # before the model is touched
         try:
             with tempfile.TemporaryDirectory() as folder:
                 source = weights
@@ -268,11 +260,11 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                     self.model.load_weights(source)
             state = _training_state.read(weights)
         except OSError as error:
-            raise _Damaged(weights, error) from error
+            raise _files.Damaged(weights, error) from error
         except ValueError as error:
-            unreadable = _unreadable(weights)  # Keras reports a damaged object as one that does not fit
+            unreadable = _files.unreadable(weights)  # Keras reports a damaged object as one that does not fit
             if unreadable is not None:
-                raise _Damaged(weights, unreadable) from error
+                raise _files.Damaged(weights, unreadable) from error
             # Keras' own reason (the parallel model's load_weights wraps it).
             keras_error = error.__cause__ if isinstance(error.__cause__, ValueError) else error
             self._refuse(weights, _persistence.keras_load_reason(keras_error))
@@ -282,6 +274,16 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
             self._metrics = state["metrics"] if fields.get("step") else None
             self._callbacks = state["callbacks"]  # given back as the first epoch begins (`on_epoch_begin`)
         return fields
+
+    def _check_steps(self, fields: dict) -> None:
+        """Refuses to resume mid-epoch where the epochs have other steps: the backup's step names other rows."""
+        step, steps, now = fields.get("step"), fields.get("steps"), (self.params or {}).get("steps")
+        if step and steps is not None and now is not None and steps != now:
+            raise ValueError(
+                f"ParallelBackupAndRestore cannot resume after step {step} of {steps}: this fit's epochs have {now} "
+                "steps. Fit with the batch_size and data of the backup, or delete backup_dir. "
+                f"Received: steps={now}"
+            )
 
     def _fit_state(self, variables, values, what: str, weights: str) -> None:
         try:
@@ -310,7 +312,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         epoch, step = self._position
         # "batch" is Keras' (the last batch trained, 0 at an epoch's end; it
         # resumes at the epoch's start); "step" is the batches done in it.
-        fields = {"epoch": epoch, "batch": max(step - 1, 0), "step": step}
+        fields = {"epoch": epoch, "batch": max(step - 1, 0), "step": step, "steps": (self.params or {}).get("steps")}
         order = getattr(self.model, "_input_order", None)
         if order is not None:
             fields["order_seed"] = int(order.seed.numpy())
@@ -318,11 +320,11 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
         def save(tmp):
             self.model.save_weights(tmp)
-            _training_state.write(self.model, tmp, {_METADATA: metadata})
+            _training_state.write(self.model, tmp, {_files.METADATA: metadata})
 
         self._write(paths["weights"], save)
         _fault_points.reached("backup:weights")
-        self._write(paths["metadata"], lambda tmp: _write_text(tmp, metadata))
+        self._write(paths["metadata"], lambda tmp: _files.write_text(tmp, metadata))
 
     def _write(self, target: str, save) -> None:
         then = (
@@ -343,57 +345,3 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         self._watch.stop()
         if _cluster.is_chief():
             super().on_train_end(logs)
-
-
-def _read_metadata(weights: str, metadata: str) -> dict:
-    """Where a backup resumes (`epoch`, `step`, ...): from inside the weights file, else Keras' JSON file."""
-    try:
-        with h5py.File(weights, "r") as f:
-            text, source = f.attrs.get(_METADATA), weights
-    except OSError as error:
-        raise _Damaged(weights, error) from error
-    if text is None and not os.path.exists(metadata):
-        raise _Damaged(weights, ValueError(
-            "it holds no epoch, and there is no training_metadata.json beside it: a weights file that no "
-            "backup callback wrote, or a Keras backup whose first save was cut short"
-        ))
-    try:
-        if text is None:  # a backup Keras wrote
-            text, source = _read_text(metadata), metadata
-        fields = json.loads(text)
-        if not isinstance(fields, dict) or "epoch" not in fields or not all(
-            _count(fields.get(k, 0)) for k in ("epoch", "step")
-        ):
-            raise ValueError(f"it holds no epoch number: {str(text)[:80]!r}")
-    except (OSError, ValueError) as error:
-        raise _Damaged(source, error) from error
-    return fields
-
-
-def _unreadable(path: str) -> Exception | None:
-    """The error that reading every object of HDF5 file `path` raises; None: the file reads whole."""
-
-    def read(name, item):
-        if isinstance(item, h5py.Dataset):
-            item[()]
-
-    try:
-        with h5py.File(path, "r") as f:
-            f.visititems(read)
-    except Exception as error:  # h5py raises OSError, KeyError or RuntimeError for a damaged object
-        return error
-    return None
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)

@@ -123,6 +123,14 @@ class TemplateAccess:
             f"kerasmulti.unwrap(model). Received: name={name!r}"
         )
 
+    def __setattr__(self, name, value):
+        # Keras skips `self.x = value` where `self.x is value` already: a value only lent by the
+        # template (`__getattr__`) would never become this model's own, and the model would follow
+        # the template's later compile (its optimizer, not its loss). A placeholder makes it stored.
+        if not name.startswith("_") and name not in self.__dict__ and "_template" in self.__dict__:
+            self.__dict__[name] = _UNSET
+        super().__setattr__(name, value)
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         self._remember_epochs(iterator)
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -144,6 +152,9 @@ class TemplateAccess:
     def test_on_batch(self, *args, **kwargs):
         self._adopt_template_compile()
         return super().test_on_batch(*args, **kwargs)
+
+
+_UNSET = object()
 
 
 def _defined_by_user_class(cls, name: str) -> bool:

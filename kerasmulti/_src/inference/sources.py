@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections.abc
 import hashlib
 import json
+import os
 from typing import Iterator
 
 import h5py
@@ -347,6 +348,11 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
                 "parallel_predict() got an h5py.Dataset whose file is closed. Keep the file open while it "
                 f"runs. Received: data={leaf!r}"
             )
+    if isinstance(data, (str, bytes, os.PathLike)):
+        raise TypeError(
+            "parallel_predict() reads arrays, not files. Open it first: np.load(path, mmap_mode='r') for .npy "
+            f"(docs/inference.md). Received: data={os.fspath(data)!r}"
+        )
     arrays = [hasattr(a, "shape") and hasattr(a, "__getitem__") for a in leaves]
     if not leaves or not all(arrays):
         nested = leaves and isinstance(data, (list, tuple, dict))

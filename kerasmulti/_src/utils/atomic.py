@@ -6,7 +6,7 @@ the same file system), flushed to disk, and renamed over the target with
 written through: the temporary goes beside the file it names, which the rename
 replaces, and the link stays. A process killed before the
 rename leaves only a temporary behind; `remove_stale_temporaries` clears those
-whose writer is gone. A write that fails (a full disk, a read-only or vanished
+whose writer is gone. The new file keeps the old one's permissions. A write that fails (a full disk, a read-only or vanished
 folder) leaves the target as it was and raises an `OSError` that says so,
 names the target (not the temporary) and says what to do.
 
@@ -23,6 +23,7 @@ import errno
 import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import threading
@@ -48,6 +49,14 @@ def temporary_path(target: str, suffix: str | None = None) -> str:
     # Any name Keras can write gets a temporary that fits too: the target's name is cut short to fit.
     room = _NAME_MAX - 1 - len(os.fsencode(writer))
     return os.path.join(folder, "." + os.fsencode(name)[:room].decode("utf-8", "ignore") + writer)
+
+
+def _keep_mode(target: str, temporary: str) -> None:
+    """The file replaced keeps its permissions (a group-writable checkpoint stays so), as a write in place would."""
+    try:
+        shutil.copymode(target, temporary)
+    except FileNotFoundError:  # a new file: the umask's mode, as Keras gives it
+        pass
 
 
 def _fsync(path: str) -> None:
@@ -82,6 +91,7 @@ def write(target: str, save, caller: str, received: str, then: str = "") -> None
     try:
         with _ctrl_c_held():
             save(temporary)
+            _keep_mode(real, temporary)
             _fsync(temporary)
             os.replace(temporary, real)
     except BaseException as error:
