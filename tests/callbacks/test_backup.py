@@ -298,10 +298,10 @@ def test_keras_own_counter_tests_on_a_parallel_model(tmp_path, save_freq, stop, 
     assert int(template.layers[0].counter.value) == 15 * 3  # every step of 5 epochs, once
 
 
-def _two_fits(tmp_path, make, stop_after, save_freq=5, others=list, **fit):
+def _two_fits(tmp_path, make, stop_after, save_freq=5, others=list, between=None, **fit):
     """An uninterrupted fit's history and weights, and those of one stopped after `stop_after` batches and resumed.
 
-    `others()`: the other callbacks of each fit.
+    `others()`: the other callbacks of each fit; `between(backup_dir)` runs before the resumed one.
     """
     x, y = np.random.default_rng().normal(size=(40, 5)), np.random.default_rng().normal(size=(40, 1))
     fit = dict(x=x, y=y, batch_size=4, epochs=3, shuffle=False, verbose=0, **fit)
@@ -311,6 +311,8 @@ def _two_fits(tmp_path, make, stop_after, save_freq=5, others=list, **fit):
     with pytest.raises(RuntimeError, match="stopped"):
         make().fit(**fit, callbacks=[kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), *others(),
                                      StopAfterBatches(stop_after)])
+    if between is not None:
+        between(backup)
     resumed = make()
     callbacks = [kerasmulti.ParallelBackupAndRestore(backup, save_freq=save_freq), *others()]
     resumed_history = resumed.fit(**fit, callbacks=callbacks).history
@@ -347,6 +349,21 @@ def test_a_backup_of_an_epochs_last_batch_resumes_with_that_epochs_metrics_as_it
     assert resumed_history["mae"] == pytest.approx(history["mae"], rel=1e-6)
     for a, b in zip(straight.weights, resumed.weights):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+
+
+def test_a_backup_without_metrics_resumes_an_epoch_with_no_batch_left_with_its_last_steps_logs(tmp_path):
+    # Across workers no metric is saved (each worker holds its part of one): the resumed epoch logged
+    # loss 0.0, a value EarlyStopping would take for the best (found by review across 2 workers).
+    def as_across_workers(backup):
+        with h5py.File(os.path.join(backup, "latest.weights.h5"), "a") as f:
+            metrics = f["kerasmulti_state/metrics"]
+            assert len(metrics)
+            for name in list(metrics):
+                del metrics[name]
+
+    (history, _), (resumed_history, _) = _two_fits(tmp_path, _parallel, stop_after=10, between=as_across_workers)
+    assert resumed_history["loss"] == pytest.approx(history["loss"], rel=1e-6)
+    assert resumed_history["mae"] == pytest.approx(history["mae"], rel=1e-6)
 
 
 def test_a_plain_keras_model_resumes_its_optimizers_state_from_a_parallel_backup(tmp_path):

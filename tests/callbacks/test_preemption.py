@@ -73,9 +73,11 @@ def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterr
     assert "Exiting with code 42 (requeue): run the same command to go on from there." in stopped.stderr
     assert not os.path.exists(tmp_path / "final.npz")
     with open(tmp_path / "backup" / "training_metadata.json") as f:
-        assert {k: v for k, v in json.load(f).items() if k != "order_seed"} == {
+        fields = json.load(f)
+        assert {k: v for k, v in fields.items() if k not in ("order_seed", "logs")} == {
             "epoch": epoch, "batch": done - 1, "step": done, "steps": 6
         }
+        assert set(fields["logs"]) == {"loss", "mae"}  # the epoch's logs so far
     # Another seed for Python's `random`: only the backup knows the epochs' order.
     _ran(tmp_path, "--reseed")
     weights, logs, batches = uninterrupted

@@ -337,6 +337,14 @@ def test_arguments_of_the_wrong_type_are_refused():
             pass
     with pytest.raises(TypeError, match=r"on_device\(\) takes a device name.*Received: device=None$"):
         kerasmulti.on_device(keras.layers.Dense(2), None)
+    # The class itself (it raised "'int' object has no attribute 'split'" and TensorFlow's parse error).
+    for layer, device in ((keras.layers.Dense(2), 5), (5, "/cpu:0")):
+        with pytest.raises(TypeError, match=r"^OnDevice places a Keras layer on a device named by a string, such as "
+                           rf"'/gpu:0'\. Received: layer={type(layer).__name__}, device={device!r}$"):
+            kerasmulti.OnDevice(layer, device)
+    with pytest.raises(ValueError, match=r"^OnDevice cannot read the device name 'nonsense'\. Pass one such as '/gpu:1' "
+                       r"or '/cpu:0'\. Received: device='nonsense'$"):
+        kerasmulti.OnDevice(keras.layers.Dense(2), "nonsense")
     model = _towers()
     with pytest.raises(TypeError, match=r"keras.Model; pass the model that holds them\. Received: model=Dense$"):
         kerasmulti.remap_devices(keras.layers.Dense(2), {"/cpu:1": "/cpu:0"})

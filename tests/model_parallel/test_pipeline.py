@@ -417,6 +417,23 @@ def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compi
     np.testing.assert_allclose(loaded.predict(data["x"], verbose=0), reference.predict(data["x"], verbose=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_a_model_compiled_with_xla_and_cut_gets_xla_stages_and_one_devices_numbers(jit_compile):
+    # Its placed copy's compile records XLA off (Keras refuses it for placed layers): the pipeline
+    # came without XLA, silently (found by review).
+    def build():
+        keras.utils.set_random_seed(8)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile)
+        return model
+
+    data = _data("dense")
+    reference, model = build(), build()
+    piped = kerasmulti.pipeline(model, gpus=2, microbatches=3)
+    assert piped.replica_jit_compile is jit_compile
+    _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
+
+
 def test_the_cut_leaves_operations_that_are_not_layers_unplaced_and_trains_with_one_devices_numbers():
     # Embedding's mask (a NotEqual node) and keras.ops calls are nodes of the graph too.
     def build():

@@ -220,16 +220,17 @@ def test_ctrl_c_stops_launch_and_its_workers_and_the_same_command_resumes(tmp_pa
 
 @pytest.fixture(scope="module")
 def uninterrupted_workers(tmp_path_factory):
-    """The weights 2 workers end with, shuffling, with Dropout, uninterrupted (Dropout differs from one process's)."""
+    """The folder of 2 workers' run, shuffling, with Dropout, uninterrupted (Dropout differs from one process's)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     _launch_workers("multi_worker_resume.py", str(out), *STRUCK_RUN)
-    return np.load(out / "final-0.npz")
+    return out
 
 
 STRUCK_RUN = ("--shuffle", "--dropout")  # 4 epochs of 4 steps
 
 
-def _assert_weights_equal(folder, expected):
+def _assert_weights_equal(folder, uninterrupted):
+    expected = np.load(uninterrupted / "final-0.npz")
     for index in range(2):
         with np.load(folder / f"final-{index}.npz") as got:
             for key in expected.files:
@@ -250,9 +251,9 @@ def _assert_each_step_shown_once(folder, restarted_at=None):
         assert steps == list(range(restarted_at or 0, 16)), seen
 
 
-def _strike(rng, victim=None):
+def _strike(rng, victim=None, epoch_end=False):
     victim = int(rng.integers(0, 2)) if victim is None else victim
-    step = int(rng.integers(1, 15))
+    step = 4 * int(rng.integers(0, 3)) + 3 if epoch_end else int(rng.integers(1, 15))
     print(f"worker {victim} gets the signal as step {step} begins")
     return ("--victim", str(victim), "--strike", str(step)), victim, step
 
@@ -295,7 +296,8 @@ def test_a_worker_killed_after_a_mid_epoch_backup_restarts_the_job_from_that_ste
 def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_the_rerun_ends_as_the_uninterrupted_one(
     tmp_path, uninterrupted_workers, victim
 ):
-    strike, victim, step = _strike(np.random.default_rng(), victim)
+    # The chief's strike ends an epoch: the rerun resumes into an epoch with no batch left to train.
+    strike, victim, step = _strike(np.random.default_rng(), victim, epoch_end=victim == 0)
     command = [sys.executable, "-m", "kerasmulti", "launch", "--workers", "2", os.path.join(WORKERS, "multi_worker_resume.py")]
     stopped = subprocess.run(
         [*command, str(tmp_path), *STRUCK_RUN, *strike], capture_output=True, text=True, env=ENV, timeout=300
@@ -309,6 +311,14 @@ def test_sigterm_to_a_worker_mid_epoch_backs_up_that_step_on_every_worker_and_th
     _launch_workers("multi_worker_resume.py", str(tmp_path), *STRUCK_RUN)
     _assert_weights_equal(tmp_path, uninterrupted_workers)
     _assert_each_step_shown_once(tmp_path)
+    # The epochs the rerun ran log as the uninterrupted run's; across workers a resumed epoch's metrics
+    # cover its batches after the resume, and one with none left logs its last step's (it logged 0.0).
+    with open(uninterrupted_workers / "history-0.json") as f, open(tmp_path / "history-0.json") as g:
+        expected, got = json.load(f)["loss"], json.load(g)["loss"]
+    resumed = step // 4  # the epoch the rerun began with
+    assert len(got) == 4 - resumed
+    first = resumed if step % 4 == 3 else resumed + 1  # the first epoch it logs as the uninterrupted run
+    np.testing.assert_allclose(got[first - resumed:], expected[first:], rtol=1e-5)
 
 
 def test_sigterm_to_the_launcher_leaves_every_worker_backed_up_and_exits_42(tmp_path, uninterrupted_workers):

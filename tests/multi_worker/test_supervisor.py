@@ -144,16 +144,12 @@ _LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
-@pytest.mark.parametrize("launcher", list(_LAUNCHERS))
-def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launcher, signals):
-    # One worker per launcher exited 143, not 42, so a job's requeue never came; `timeout` signals
-    # the launcher twice (directly and through its group), and the second signal killed it while
-    # its workers were still backing up.
+def _stopped_launcher(launcher: str, worker: str, signals: int = 1) -> tuple[int, str]:
+    """Starts `launcher` with `worker`, sends it SIGTERM `signals` times once they are ready; its exit code and stderr."""
     workers = 2 if launcher == "two workers" else 1
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import os, subprocess, sys\nfrom kerasmulti._src.multi_worker import supervisor\n"
-         f"WORKER = {_BACKING_UP!r}\n{_LAUNCHERS[launcher]}"],
+         f"WORKER = {worker!r}\n{_LAUNCHERS[launcher]}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -169,8 +165,30 @@ def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launc
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 42, stderr[-2000:]
-    assert re.search(r"(the worker|every worker) backed up the step it reached\. Exiting with code 42 \(requeue\)", stderr)
+    return launcher.returncode, stderr
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+@pytest.mark.parametrize("launcher", list(_LAUNCHERS))
+def test_a_launcher_stopped_by_sigterm_exits_with_its_workers_requeue_code(launcher, signals):
+    # One worker per launcher exited 143, not 42, so a job's requeue never came; `timeout` signals
+    # the launcher twice (directly and through its group), and the second signal killed it while
+    # its workers were still backing up.
+    code, stderr = _stopped_launcher(launcher, _BACKING_UP, signals)
+    assert code == 42, stderr[-2000:]
+    assert re.search(r"kerasmulti launch: SIGTERM received; (the worker|every worker) backed up the step it reached\. "
+                     r"Exiting with code 42 \(requeue\)", stderr)
+
+
+@pytest.mark.parametrize("launcher", list(_LAUNCHERS))
+def test_a_launcher_stopped_by_sigterm_whose_workers_back_up_nothing_says_so_and_exits_143(launcher):
+    # It ended with its workers' "stopped" lines only, not saying why (found by review).
+    code, stderr = _stopped_launcher(launcher, "import time\nprint('ready', flush=True)\ntime.sleep(300)\n")
+    assert code == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stderr.splitlines()[-1] == (
+        "kerasmulti launch: SIGTERM received; no worker is left running. If the script trains with "
+        "ParallelBackupAndRestore, run the same command to resume from its last backup."
+    )
 
 
 def test_a_late_second_sigterm_is_ignored_while_nested_supervision_ends():

@@ -5,7 +5,7 @@
 epochs with ParallelBackupAndRestore (OUT/backup) and ParallelModelCheckpoint
 (OUT/model-<index>.keras: only the chief's may appear), with progress lines
 (only the chief's may appear). With --die-at-epoch K, worker 1 kills itself (SIGKILL) at
-the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz;
+the end of epoch K. Each worker that finishes saves OUT/final-<index>.npz and its history, OUT/history-<index>.json;
 --reference trains the plain template in one process (OUT/final-reference.npz).
 --shuffle passes fit's default shuffle=True (otherwise False); --dropout adds a
 Dropout layer. With --strike, worker I sends itself the signal as global step STEP
@@ -78,6 +78,8 @@ if not reference:
         kerasmulti.ParallelModelCheckpoint(os.path.join(out, f"model-{index}.keras")),
         *callbacks,
     ]
-target.fit(x, y, batch_size=16, epochs=4, shuffle=shuffle, callbacks=callbacks, verbose=2)
+history = target.fit(x, y, batch_size=16, epochs=4, shuffle=shuffle, callbacks=callbacks, verbose=2)
+with open(os.path.join(out, f"history-{'reference' if reference else index}.json"), "w") as f:
+    json.dump(history.history, f)
 np.savez(os.path.join(out, f"final-{'reference' if reference else index}.npz"), *template.get_weights())
 print("done", flush=True)

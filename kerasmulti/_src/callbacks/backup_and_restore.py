@@ -137,6 +137,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         if _cluster.is_chief():
             _atomic.remove_stale_temporaries(paths["weights"])
         self._position, self._resumed, self._metrics, self._scalars, self._callbacks = (0, 0), (0, 0), None, [], None
+        self._logs = None
         late = _callback_state.after(self, getattr(self.model, "_fit_callbacks", None)) if self.save_freq == "epoch" else []
         if late:
             warnings.warn(
@@ -156,7 +157,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
                 order.seed.assign(fields["order_seed"])
             if self._resumed[1]:
                 self._scalars = _training_state.optimizer_scalars(self.model)
-                _training_state.skip_steps(self.model, self._resumed[1], self._restore_metrics)
+                logs = None if self._metrics else fields.get("logs")  # across workers no metric is saved
+                _training_state.skip_steps(self.model, self._resumed[1], self._restore_metrics, logs)
         self._watch = _preemption.Watch(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -178,7 +180,7 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_batch_end(self, batch, logs=None):
         epoch = self._position[0]
-        self._position = (epoch, batch + 1)
+        self._position, self._logs = (epoch, batch + 1), logs
         due = keras_private.backup_due(self, batch)
         stop = self._watch.agreed()
         # Batches a resumed epoch passes over: the weights are already those of a later step.
@@ -313,6 +315,8 @@ class ParallelBackupAndRestore(keras.callbacks.BackupAndRestore):
         # "batch" is Keras' (the last batch trained, 0 at an epoch's end; it
         # resumes at the epoch's start); "step" is the batches done in it.
         fields = {"epoch": epoch, "batch": max(step - 1, 0), "step": step, "steps": (self.params or {}).get("steps")}
+        if step:  # the epoch's logs so far: what an epoch resumed with no batch left logs across workers
+            fields["logs"] = _files.scalar_logs(self._logs)
         order = getattr(self.model, "_input_order", None)
         if order is not None:
             fields["order_seed"] = int(order.seed.numpy())

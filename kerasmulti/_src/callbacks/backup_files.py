@@ -12,6 +12,7 @@ import json
 import os
 
 import h5py
+import numpy as np
 
 METADATA = "kerasmulti_training_metadata"
 
@@ -42,7 +43,7 @@ def read_metadata(weights: str, metadata: str) -> dict:
         fields = json.loads(text)
         if not isinstance(fields, dict) or "epoch" not in fields or not all(
             _count(fields.get(k, 0)) for k in ("epoch", "step")
-        ) or not (fields.get("steps") is None or _count(fields["steps"])):
+        ) or not (fields.get("steps") is None or _count(fields["steps"])) or not _logs(fields.get("logs", {})):
             raise ValueError(f"it holds no epoch number: {str(text)[:80]!r}")
     except (OSError, ValueError) as error:
         raise Damaged(source, error) from error
@@ -66,6 +67,16 @@ def unreadable(path: str) -> Exception | None:
 
 def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def scalar_logs(logs: dict | None) -> dict:
+    """The numbers among a step's `logs`, as floats (JSON)."""
+    arrays = {key: np.asarray(value) for key, value in (logs or {}).items()}
+    return {key: float(a.reshape(())) for key, a in arrays.items() if a.size == 1 and np.issubdtype(a.dtype, np.number)}
+
+
+def _logs(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())
 
 
 def _read_text(path: str) -> str:

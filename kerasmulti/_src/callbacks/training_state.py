@@ -135,7 +135,7 @@ def optimizer_scalars(model) -> list:
     return pairs
 
 
-def skip_steps(model, steps: int, first_batch) -> None:
+def skip_steps(model, steps: int, first_batch, logs: dict | None = None) -> None:
     """Makes `fit`'s next epoch pass over its first `steps` batches: read, not trained.
 
     Keras' `fit` starts an epoch at its first batch; a run resumed in the
@@ -144,7 +144,9 @@ def skip_steps(model, steps: int, first_batch) -> None:
     is called with the first one read. On a parallel model the batches are
     read before the epoch's first step, so callbacks see only the steps that
     train, under their true batch numbers; on another model each is a step
-    that trains nothing and returns the metrics as they are.
+    that trains nothing and returns the metrics as they are. An epoch wholly
+    passed over logs the metrics as restored, or `logs` where given (the
+    backup's step's, across workers, where no metric is saved).
     """
     epochs = getattr(model, "_fit_epochs", None)
     epochs = epochs() if epochs is not None else None
@@ -161,7 +163,7 @@ def skip_steps(model, steps: int, first_batch) -> None:
 
     def passing_over(enumerate_epoch=type(epochs)._enumerate_iterator):
         del epochs._enumerate_iterator  # the epochs after this one start at their first batch
-        model._passed_over = True  # until a step runs: an epoch wholly passed over logs the saved metrics
+        model._passed_over = logs or True  # until a step runs: an epoch wholly passed over logs the saved metrics
         for begin, end, batches in enumerate_epoch(epochs):
             for step in range(begin, min(end + 1, steps)):
                 try:

@@ -136,9 +136,11 @@ class TemplateAccess:
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _get_metrics_result_or_logs(self, logs):
-        # A resumed epoch whose batches were all trained already ran no step: its logs are the saved metrics.
-        if not logs and self.__dict__.pop("_passed_over", False):
-            return self.get_metrics_result()
+        # A resumed epoch whose batches were all trained already ran no step: its logs are the saved
+        # metrics, or across workers (no metric saved) the logs of the backup's step (`training_state.skip_steps`).
+        passed_over = not logs and self.__dict__.pop("_passed_over", False)
+        if passed_over:
+            return dict(passed_over) if isinstance(passed_over, dict) else self.get_metrics_result()
         return super()._get_metrics_result_or_logs(logs)
 
     def _remember_epochs(self, iterator) -> None:

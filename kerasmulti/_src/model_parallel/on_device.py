@@ -36,6 +36,22 @@ _warned: set[str] = set()
 _SHARING = "kerasmulti.OnDevice"
 
 
+def _readable(layer, device) -> str:
+    """`device`'s canonical name; wrong types and names TensorFlow cannot read are refused (a missing device is warned about)."""
+    if not isinstance(layer, keras.layers.Layer) or not isinstance(device, str):
+        raise TypeError(
+            "OnDevice places a Keras layer on a device named by a string, such as '/gpu:0'. "
+            f"Received: layer={type(layer).__name__}, device={device!r}"
+        )
+    try:
+        return _canonical(device)
+    except ValueError as error:  # TensorFlow's "Unknown attribute 'nonsense' is encountered ..."
+        raise ValueError(
+            f"OnDevice cannot read the device name {device!r}. Pass one such as '/gpu:1' or '/cpu:0'. "
+            f"Received: device={device!r}"
+        ) from error
+
+
 @keras.saving.register_keras_serializable(package="kerasmulti")
 class OnDevice(keras.layers.Layer):
     """Runs a layer (or sub-model) on one device; made by `on_device`.
@@ -61,7 +77,7 @@ class OnDevice(keras.layers.Layer):
                 f"Layer '{layer.layer.name}' is placed on {layer.device} already. Place the layer itself, "
                 f"once per device. Received: layer={layer.name!r}"
             )
-        device = device if _validated else _canonical(device)
+        device = device if _validated else _readable(layer, device)
         if "name" not in kwargs:  # a pipeline's cut and a reload name their wrappers themselves
             kwargs["name"] = _free_name(layer, device)
         # The layer casts its inputs by its own policy, as without the wrapper: a

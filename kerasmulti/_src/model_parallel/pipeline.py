@@ -237,7 +237,7 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
     if microbatches > 1:
         warn_row_mixing(template, stacklevel=2, part="micro-batch")
     _schedules.check(schedule, template)
-    placed = stage_devices(template)
+    placed, xla = stage_devices(template), False
     if gpus is None:
         if len(placed) < 2:
             raise ValueError(
@@ -261,6 +261,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
         if gpus < 2:
             raise ValueError(f"pipeline() cuts a model into gpus= stages, at least 2. Received: gpus={gpus!r}")
         stages = resolve_devices(int(gpus), caller="pipeline()")
+        # Compiled with XLA on: its stages get XLA (the placed copy's compile records it off, as Keras refuses it).
+        xla = getattr(template, "compiled", False) and keras_private.compile_arguments(template).get("jit_compile") is True
         template = cut(template, stages)
         # Each stage's weights on its device, as device_scope creates them: a model too big for one device fits.
         devices = _variable_stages(template)
@@ -268,6 +270,8 @@ def pipeline(model: keras.Model, microbatches: int, gpus: int | None = None, sch
         _without_xla(unwrap(model))
     piped = PipelineModel(template, stages, int(microbatches), schedule)
     piped._adopt_template_compile()  # a compiled model (loaded from a file) comes compiled, its optimizer and all
+    if gpus is not None and xla and piped.compiled:
+        piped._stage_xla = True  # as `compile(jit_compile=True)` sets it
     return piped
 
 

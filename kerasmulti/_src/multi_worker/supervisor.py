@@ -166,14 +166,11 @@ def run_one(command: list[str], env: dict) -> int:
         with _stopped_with_this_process():
             try:
                 returncode = process.wait()
-            except SystemExit:  # stopped: the worker backs up its step first
+            except SystemExit as stop:  # stopped: the worker backs up its step first
                 _stop([process])
+                _say_stopped(stop, process.returncode == REQUEUE_EXIT_CODE, "the worker")
                 if process.returncode != REQUEUE_EXIT_CODE:
                     raise
-                sys.stderr.write(
-                    f"kerasmulti launch: SIGTERM received; the worker backed up the step it reached. Exiting with "
-                    f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
-                )
                 raise SystemExit(REQUEUE_EXIT_CODE) from None
     finally:
         _stop([process])
@@ -191,15 +188,15 @@ def supervise(processes, pumps, relay) -> int | None:
     When this process is stopped (SIGTERM) its workers get SIGTERM; if all of
     them then back up their step and exit with `REQUEUE_EXIT_CODE`, so does
     this process. What the workers it stops print from then on is held back
-    by `relay` (a `_Relay`), which says which were stopped, before the
-    launcher's own line.
+    by `relay` (a `_Relay`), which says which were stopped, before the launcher's own line.
     """
-    failed, requeue = None, False
+    failed, requeue, stopped = None, False, None
     try:
         with _stopped_with_this_process():
             try:
                 failed = _first_failure(processes)
-            except SystemExit:  # stopped: the workers back up their step first
+            except SystemExit as stop:  # stopped: the workers back up their step first
+                stopped = stop
                 relay.hold_back(processes)
                 _stop(processes)
                 requeue = all(p.returncode == REQUEUE_EXIT_CODE for p in processes)
@@ -220,12 +217,16 @@ def supervise(processes, pumps, relay) -> int | None:
         for pump in pumps:
             pump.join(timeout=5)
         relay.say_stopped()
-        if requeue:
-            sys.stderr.write(
-                f"kerasmulti launch: SIGTERM received; every worker backed up the step it reached. Exiting with "
-                f"code {REQUEUE_EXIT_CODE} (requeue): run the same command to go on from there.\n"
-            )
+        if stopped is not None:
+            _say_stopped(stopped, requeue, "every worker")
     return failed
+
+
+def _say_stopped(stop: SystemExit, requeue: bool, workers: str) -> None:
+    """The launcher's line once a signal (`_terminated`'s `stop`) stopped it and `workers` ("every worker")."""
+    end = (f"{workers} backed up the step it reached. Exiting with code {REQUEUE_EXIT_CODE} (requeue): run the same "
+           "command to go on from there." if requeue else f"no worker is left running. {RESUME_HINT}")
+    sys.stderr.write(f"kerasmulti launch: {_signal_name(stop.code - 128)} received; {end}\n")
 
 
 class _Relay:
