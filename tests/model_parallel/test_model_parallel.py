@@ -234,6 +234,9 @@ def test_missing_device_runs_anyway_with_one_warning_and_can_be_remapped(tmp_pat
         got = loaded.predict(x, verbose=0)
         loaded(x)
     assert sum("GPU:7" in str(w.message) for w in record) == 1
+    # The wrapper's name, as placement_summary lists it (not its layer's, which names the one on another device).
+    moved = [w.name for w in loaded.layers if isinstance(w, kerasmulti.OnDevice) and w.device == "/device:GPU:7"]
+    assert any(str(w.message).startswith(f"Layer '{moved[0]}' is placed on /device:GPU:7") for w in record), moved
     np.testing.assert_allclose(got, model.predict(x, verbose=0), rtol=1e-6)
     kerasmulti.remap_devices(loaded, {"/gpu:7": "/cpu:0"})
     assert loaded.predict_function is None  # the step traced with the old devices is dropped

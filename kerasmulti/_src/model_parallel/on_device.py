@@ -112,7 +112,7 @@ class OnDevice(keras.layers.Layer):
         if self.device not in _warned:
             _warned.add(self.device)
             warnings.warn(
-                f"Layer '{self.layer.name}' is placed on {self.device}, which this machine does not "
+                f"Layer '{self.name}' is placed on {self.device}, which this machine does not "
                 f"have (it has {', '.join(sorted(known))}); it runs with the rest of the model. Move it with "
                 "kerasmulti.remap_devices(model, {'" + self.device + "': '/cpu:0'}). "
                 f"Received: device={self.device!r}",
