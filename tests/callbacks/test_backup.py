@@ -122,6 +122,25 @@ def test_a_damaged_backup_falls_back_to_the_previous_one_with_a_warning(tmp_path
     assert sorted(os.listdir(tmp_path)) == FILES
 
 
+@pytest.mark.parametrize("fields, valid", [
+    ({"epoch": 1, "step": 2, "steps": 10, "logs": {"loss": 0.5}}, True),
+    ({"epoch": 1, "step": 2, "steps": "10"}, False),
+    ({"epoch": 1, "step": 2, "logs": {"loss": "0.5"}}, False),
+    ({"epoch": 1, "logs": [0.5]}, False),
+])
+def test_a_position_whose_steps_or_logs_are_not_what_a_backup_writes_is_damage(tmp_path, fields, valid):
+    from kerasmulti._src.callbacks import backup_files
+
+    weights, metadata = str(tmp_path / "latest.weights.h5"), str(tmp_path / "training_metadata.json")
+    with h5py.File(weights, "w") as f:
+        f.attrs[backup_files.METADATA] = json.dumps(fields)
+    if valid:
+        assert backup_files.read_metadata(weights, metadata) == fields
+        return
+    with pytest.raises(backup_files.Damaged, match=r"it holds no epoch number"):
+        backup_files.read_metadata(weights, metadata)
+
+
 def test_a_damaged_epoch_file_beside_intact_weights_costs_nothing(tmp_path):
     # Ours carry the epoch inside the weights file, replaced atomically: the JSON (for Keras) is not needed.
     weights = _interrupted(kerasmulti.ParallelBackupAndRestore(str(tmp_path), double_checkpoint=True))

@@ -41,9 +41,7 @@ def read_metadata(weights: str, metadata: str) -> dict:
         if text is None:  # a backup Keras wrote
             text, source = _read_text(metadata), metadata
         fields = json.loads(text)
-        if not isinstance(fields, dict) or "epoch" not in fields or not all(
-            _count(fields.get(k, 0)) for k in ("epoch", "step")
-        ) or not (fields.get("steps") is None or _count(fields["steps"])) or not _logs(fields.get("logs", {})):
+        if not _position(fields):
             raise ValueError(f"it holds no epoch number: {str(text)[:80]!r}")
     except (OSError, ValueError) as error:
         raise Damaged(source, error) from error
@@ -75,8 +73,17 @@ def scalar_logs(logs: dict | None) -> dict:
     return {key: float(a.reshape(())) for key, a in arrays.items() if a.size == 1 and np.issubdtype(a.dtype, np.number)}
 
 
-def _logs(value) -> bool:
-    return isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())
+def _position(fields) -> bool:
+    """Whether metadata read from a backup holds an epoch, and its other fields as a backup writes them."""
+    if not isinstance(fields, dict) or "epoch" not in fields:
+        return False
+    logs = fields.get("logs", {})
+    return (
+        all(_count(fields.get(k, 0)) for k in ("epoch", "step"))
+        and (fields.get("steps") is None or _count(fields["steps"]))
+        and isinstance(logs, dict)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logs.values())
+    )
 
 
 def _read_text(path: str) -> str:
