@@ -265,6 +265,17 @@ def test_monitor_figures_show_a_device_slowed_to_half_speed(capsys, tmp_path):
     assert glob.glob(str(tmp_path / "logs" / "throughput" / "events.out.tfevents.*"))
 
 
+def test_the_monitor_counts_a_device_that_got_no_rows_at_0_samples_a_second_not_nan(capsys):
+    # Batches of 1 row on 3 devices: two never get one (it printed "nan/s", found by review).
+    parallel = kerasmulti.parallelize(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]), gpus=DEVICES)
+    parallel.compile(optimizer="sgd", loss="mse")
+    monitor = kerasmulti.ThroughputMonitor(baseline=None)
+    parallel.fit(np.ones((3, 4), "float32"), np.ones((3, 1), "float32"), batch_size=1, verbose=0, callbacks=[monitor])
+    idle = list(monitor.records[-1]["devices"].values())[1:]
+    assert idle == [{"rows": 0, "busy_seconds": 0.0, "samples_per_second": 0.0}] * 2
+    assert "nan" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("verbose", ["auto", 1, 2, 0])
 def test_the_monitors_line_starts_a_line_of_its_own_under_the_progress_bar(capsys, verbose):
     # Under verbose=1 it was printed onto the end of the epoch's unfinished progress bar.

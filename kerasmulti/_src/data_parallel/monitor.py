@@ -168,7 +168,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 device: {
                     "rows": int(r),
                     "busy_seconds": float(b),
-                    "samples_per_second": float(r / b) if b > 0 else float("nan"),
+                    # A device that got no rows (batches smaller than the devices): 0, not NaN.
+                    "samples_per_second": float(r / b) if b > 0 else 0.0 if r == 0 else float("nan"),
                 }
                 for device, r, b in zip(devices, rows, busy)
             },
