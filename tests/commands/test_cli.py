@@ -147,6 +147,27 @@ def test_predict_from_npy_and_h5(files):
             np.testing.assert_allclose(f["emb"][:], model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def test_predict_says_whether_it_wrote_all_rows_resumed_or_found_the_file_complete(files, capsys):
+    folder, model, x = files
+    expected = model.predict(x, verbose=0)
+    messages = []
+    for interrupted_at in (None, None, 16):
+        if interrupted_at is not None:  # as a killed run leaves it: rows after the counter are not final
+            with h5py.File(folder / "said.h5", "r+") as f:
+                f.attrs["kerasmulti_rows_done"] = interrupted_at
+                f["emb"][interrupted_at:] = 0.0
+        assert _predict(folder, "m.keras", "x.npy", output="said.h5") == 0
+        messages.append(capsys.readouterr().out.strip().splitlines()[-1])
+        with h5py.File(folder / "said.h5", "r") as f:
+            np.testing.assert_allclose(f["emb"][:], expected, rtol=1e-5, atol=1e-6)
+    output = folder / "said.h5"
+    assert messages == [
+        f"wrote predictions for 37 rows to {output}",
+        f"{output} already held predictions for all 37 rows; nothing was written",
+        f"resumed at row 16: wrote predictions for rows 16 to 37 to {output}",
+    ]
+
+
 def test_predict_loads_a_compiled_legacy_h5_model_without_its_training_settings(files):
     # Predicting needs no loss: Keras' load of a legacy .h5 compiled with "mse" fails to deserialise it.
     folder, model, x = files

@@ -152,6 +152,7 @@ def _image_input(args, model, extra: dict):
 def run(args) -> int:
     _paths.check(args)  # the command checked them before TensorFlow loaded; a caller of run() may not have
     model = _model_from_file(args.model)
+    rows_before = _rows_done(args.output)
     extra = {}
     with contextlib.ExitStack() as stack:
         if os.path.isdir(args.input):
@@ -173,7 +174,21 @@ def run(args) -> int:
         parallel_predict(
             model, data, gpus=args.gpus, batch_size=args.batch_size, output=args.output, extra=extra
         )
-    with h5py.File(args.output, "r") as f:
-        rows = _output_file.rows_done(f)
-    print(f"wrote predictions for {rows} rows to {args.output}")
+    rows = _rows_done(args.output)
+    if rows_before and rows_before == rows:
+        print(f"{args.output} already held predictions for all {rows} rows; nothing was written")
+    elif rows_before:
+        print(f"resumed at row {rows_before}: wrote predictions for rows {rows_before} to {rows} to {args.output}")
+    else:
+        print(f"wrote predictions for {rows} rows to {args.output}")
     return 0
+
+
+def _rows_done(path: str) -> int:
+    """How many rows the output file holds; 0 where there is none (or it is not ours:
+    `parallel_predict` refuses that file, so this number is never printed)."""
+    try:
+        with h5py.File(path, "r") as f:
+            return _output_file.rows_done(f) or 0
+    except (OSError, KeyError, ValueError, TypeError):
+        return 0
