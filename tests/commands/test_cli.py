@@ -666,11 +666,11 @@ def test_a_command_that_ran_on_after_ctrl_c_reports_it_and_exits_130(monkeypatch
     assert signal.getsignal(signal.SIGINT) is before  # put back
 
 
-def _predict(folder, model, source, output="out.h5"):
+def _predict(folder, model, source, output="out.h5", *flags):
     from kerasmulti._src.commands import cli as _cli
     from kerasmulti._src.commands import predict as _predict
 
-    args = _cli._parser().parse_args(["predict", str(folder / model), str(folder / source), "--output", str(folder / output)])
+    args = _cli._parser().parse_args(["predict", str(folder / model), str(folder / source), "--output", str(folder / output), *flags])
     return _predict.run(args)
 
 
@@ -717,3 +717,126 @@ def test_an_image_folder_without_pillow_says_how_to_install_it(files, monkeypatc
     monkeypatch.setitem(sys.modules, "PIL.Image", None)  # as if Pillow were not installed
     with pytest.raises(ValueError, match=r"Reading images needs Pillow: pip install 'kerasmulti\[images\]'\. Received: input="):
         _predict(folder, "m.keras", "images")
+
+
+def _image_folder(folder, name, images):
+    """A folder of 8x8 RGB PNGs (the model's size: read without resizing), `images` maps names to arrays."""
+    (folder / name).mkdir(exist_ok=True)
+    for image_name, array in images.items():
+        keras.utils.save_img(str(folder / name / image_name), array, scale=False)
+    return folder / name
+
+
+def test_an_image_that_fails_while_decoded_or_is_too_large_is_named(files, monkeypatch):
+    folder, _, _ = files
+    rng = np.random.default_rng()
+    images = _image_folder(folder, "exact", {f"p{i}.png": rng.integers(0, 256, (8, 8, 3)).astype("uint8") for i in range(3)})
+    whole = (images / "p1.png").read_bytes()
+    (images / "p1.png").write_bytes(whole[:-40])  # its header is read whole: only decoding the rows fails
+    with pytest.raises(ValueError, match=r"An image could not be read \(OSError\)\. .* Received: image='.*exact/p1\.png'"):
+        _predict(folder, "m.keras", "exact", "exact.h5")
+    (images / "p1.png").write_bytes(whole)
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20)  # an 8x8 image is then over twice Pillow's limit, as a huge scan is
+    with pytest.raises(ValueError, match=r"An image could not be read \(DecompressionBombError\)\. .* Received: image='.*exact/p0\.png'"):
+        _predict(folder, "m.keras", "exact", "exact-bomb.h5")
+
+
+def test_an_image_folder_leaves_out_hidden_files_says_what_else_it_left_out_and_refuses_names_that_are_not_utf8(files, capsys):
+    folder, model, _ = files
+    rng = np.random.default_rng()
+    arrays = {name: rng.integers(0, 256, (8, 8, 3)).astype("uint8") for name in ("b.png", "A.JPG", "c.gif")}
+    images = _image_folder(folder, "mixed", arrays)
+    (images / "._b.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS's companion files: not images
+    (images / "notes.txt").write_text("not an image")
+    (images / "sub").mkdir()
+    assert _predict(folder, "m.keras", "mixed", "mixed.h5") == 0
+    err = capsys.readouterr().err
+    assert "left out 2 entries of the folder that are not .png/.jpg/.jpeg/.bmp/.gif images (e.g. 'notes.txt')" in err
+    with h5py.File(folder / "mixed.h5", "r") as f:
+        assert [name.decode() for name in f["filenames"][:]] == ["A.JPG", "b.png", "c.gif"]  # code point order
+        read = np.stack([keras.utils.img_to_array(keras.utils.load_img(str(images / n))) for n in ("A.JPG", "b.png", "c.gif")])
+        np.testing.assert_allclose(f["emb"][:], model.predict(read, verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--dataset is for HDF5 inputs, but .* is a folder of images. Drop it. Received: dataset='images'"):
+        _predict(folder, "m.keras", "mixed", "mixed2.h5", "--dataset", "images")
+    latin1 = os.fsencode(str(images)) + b"/caf\xe9.png"
+    shutil.copy(images / "b.png", latin1)
+    with pytest.raises(ValueError, match=r"An image's file name is not UTF-8 text. Rename it. Received: image=b'.*/mixed/caf\\xe9.png'"):
+        _predict(folder, "m.keras", "mixed", "mixed3.h5")
+    assert not (folder / "mixed3.h5").exists()
+
+
+def test_a_model_named_filenames_output_is_refused_in_the_commands_words(files, tmp_path):
+    folder, _, _ = files
+    inputs = keras.Input((8, 8, 3))
+    keras.Model(inputs, keras.layers.Dense(2, name="filenames")(keras.layers.GlobalAveragePooling2D()(inputs))).save(tmp_path / "f.keras")
+    with pytest.raises(ValueError, match=r"The model has an output named 'filenames', .* Call parallel_predict\(\) in Python instead. Received: model="):
+        _predict(folder, tmp_path / "f.keras", "images", tmp_path / "f.h5")
+
+
+@pytest.mark.parametrize("which", ["output", "input", "model"])
+def test_a_pipe_is_refused_where_a_file_is_expected_instead_of_waiting_for_a_writer(files, tmp_path, which):
+    folder, model, _ = files
+    os.mkfifo(tmp_path / "pipe")
+    paths = {"model": folder / "m.keras", "input": folder / "x.npy", "output": tmp_path / "out.h5", which: tmp_path / "pipe"}
+    with pytest.raises(ValueError, match=f"not a regular file.*\\(a pipe or a device\\).* Received: (--)?{which}="):
+        _predict(folder, paths["model"], paths["input"], paths["output"])
+    if which == "output":
+        import kerasmulti
+
+        with pytest.raises(ValueError, match="parallel_predict\\(\\)'s output is not a regular file .* Received: output="):
+            kerasmulti.parallel_predict(model, np.zeros((4, 8, 8, 3), "float32"), output=tmp_path / "pipe")
+
+
+CUSTOM_MODULE = """
+import keras
+
+
+@keras.saving.register_keras_serializable(package="kerasmulti_cli_test")
+class Twice(keras.layers.Layer):
+    def call(self, x):
+        return 2 * x
+"""
+
+
+def test_custom_layers_load_with_import_and_lambda_layers_with_unsafe_deserialization(files, tmp_path, monkeypatch):
+    folder, _, x = files
+    (tmp_path / "my_layers.py").write_text(CUSTOM_MODULE)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --import puts the module's folder first
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import my_layers
+
+    custom = keras.Sequential([keras.Input((8, 8, 3)), my_layers.Twice(), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+    custom.save(tmp_path / "custom.keras")
+    lambda_model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Lambda(lambda t: t * 3), keras.layers.Flatten(), keras.layers.Dense(3)])
+    lambda_model.save(tmp_path / "lambda.keras")
+
+    def forget():  # as in a fresh process, which has not run the module
+        monkeypatch.delitem(keras.saving.get_custom_objects(), "kerasmulti_cli_test>Twice", raising=False)
+        monkeypatch.delitem(sys.modules, "my_layers", raising=False)
+
+    forget()
+    with pytest.raises(ValueError, match=r"The model uses 'Twice', which Keras does not know. .*: --import MODULE. Received: model="):
+        _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / "c0.h5")
+    monkeypatch.chdir(tmp_path)  # a module name is found from the working folder, as `python -m` finds it
+    for i, module in enumerate(["my_layers", str(tmp_path / "my_layers.py")]):
+        forget()
+        assert _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / f"c{i + 1}.h5", "--import", module) == 0
+        _assert_holds(tmp_path / f"c{i + 1}.h5", custom.predict(x, verbose=0))
+    with pytest.raises(ValueError, match=r"--import no_such_module failed \(ModuleNotFoundError: No module named 'no_such_module'\). Received: --import="):
+        _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / "c3.h5", "--import", "no_such_module")
+    with pytest.raises(ValueError, match=r"The file to import, 'gone.py', does not exist. Received: --import='gone.py'"):
+        _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / "c3.h5", "--import", "gone.py")
+
+    with pytest.raises(ValueError, match=r"The model holds Python code \(a Lambda layer\), .* add --unsafe-deserialization. Received: model="):
+        _predict(folder, tmp_path / "lambda.keras", "x.npy", tmp_path / "l0.h5")
+    assert _predict(folder, tmp_path / "lambda.keras", "x.npy", tmp_path / "l1.h5", "--unsafe-deserialization") == 0
+    _assert_holds(tmp_path / "l1.h5", lambda_model.predict(x, verbose=0))
+
+
+def _assert_holds(path, expected):
+    """The output file's one output dataset holds `expected`."""
+    with h5py.File(path, "r") as f:
+        (name,) = [name for name in f if not name.startswith("kerasmulti")]
+        np.testing.assert_allclose(f[name][:], expected, rtol=1e-5, atol=1e-6)

@@ -239,6 +239,30 @@ def test_a_model_that_mixes_rows_is_warned_about_at_its_first_parallel_call():
         kerasmulti.parallelize(small, gpus=2).predict(x, verbose=0)
 
 
+class _ContrastiveLoss(keras.Model):
+    """SigLIP's kind: logits of every row against every other (an axis as long as the batch), its own loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        labels = 2.0 * keras.ops.eye(keras.ops.shape(y_pred)[0]) - 1.0
+        return -keras.ops.mean(keras.ops.log_sigmoid(labels * y_pred))
+
+
+@pytest.mark.parametrize("own_loss", [False, True], ids=["keras' step", "its own compute_loss"])
+def test_outputs_with_an_axis_as_long_as_the_batch_are_warned_about(own_loss):
+    # The replicas' (4, 4) blocks were joined into (8, 4) where one device gives (8, 8): no word (found by review).
+    x = np.random.default_rng().normal(size=(8, 3)).astype("float32")
+    inputs = keras.Input((3,))
+    embedded = keras.layers.Dense(4)(inputs)
+    similarities = keras.layers.Lambda(lambda e: keras.ops.matmul(e, keras.ops.transpose(e)))(embedded)
+    model = (_ContrastiveLoss if own_loss else keras.Model)(inputs, similarities, name="pairs")
+    parallel = kerasmulti.parallelize(model, gpus=2)
+    with pytest.warns(UserWarning, match=re.escape(
+        "The outputs of 'pairs' change shape with the batch's rows (an axis as long as the batch), so split over devices "
+        "they are not one device's. Run it on one device. Received: output shape (4, 4), joined from two halves (4, 2)"
+    )):
+        assert parallel.predict(x, batch_size=8, verbose=0).shape == (8, 4)  # what it warns of
+
+
 class _CentredInTraining(keras.layers.Layer):
     """Subtracts the batch mean in training only, and counts its training calls in a variable."""
 

@@ -232,3 +232,34 @@ def test_a_template_compiled_again_after_the_parallel_model_is_warned_about_once
     parallel.compile(optimizer="adam", loss="mse")  # together again
     parallel.fit(x, y, verbose=0)
     assert model.optimizer is parallel.optimizer
+
+
+def test_keras_saving_functions_and_to_json_are_refused_with_the_way_to_save(tmp_path):
+    # keras.saving.save_model(parallel) wrote the wrapper's class with the template's config:
+    # a file neither Keras nor kerasmulti could load (found by review).
+    model, parallel, _ = _trained_parallel()
+    refusal = r"A parallel model has no config of its own. Save it with model.save\(path\), .* Received: model='parallel_template'"
+    calls = (lambda: keras.saving.save_model(parallel, tmp_path / "m.keras"), parallel.to_json, parallel.get_config,
+             lambda: keras.models.clone_model(parallel))
+    for call in calls:
+        with pytest.raises(NotImplementedError, match=refusal):
+            call()
+    with pytest.raises(AttributeError, match=r"no attribute 'inputs'; its template has keras's, which is not lent. "
+                                             r"Use kerasmulti.unwrap\(model\).inputs. Received: name='inputs'"):
+        parallel.inputs  # noqa: B018
+    assert parallel.compute_output_shape([(None, 4), (None, 2)]) == model.compute_output_shape([(None, 4), (None, 2)])
+
+
+@pytest.mark.slow  # writes and reads a SavedModel
+def test_export_writes_the_template_that_serves_its_predictions(tmp_path):
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    parallel = kerasmulti.parallelize(model, gpus=DEVICES)
+    parallel.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng().normal(size=(10, 4)).astype("float32")
+    parallel.fit(x, np.zeros((10, 3)), epochs=1, verbose=0)
+    parallel.export(str(tmp_path / "served"))  # failed: "The model provided has never called" (found by review)
+    import tensorflow as tf
+
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)

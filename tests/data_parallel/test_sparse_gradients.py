@@ -112,6 +112,16 @@ class _TokensAndHeldPositions(_TokensAndPositions):
         return self.tokens(x) + self.positions(self.position_ids[: keras.ops.shape(x)[1]])
 
 
+class _TokensAndRelativeBuckets(_TokensAndPositions):
+    """T5's relative-position bias: a bucket per pair of positions."""
+
+    def call(self, x):
+        positions = keras.ops.arange(0, keras.ops.shape(x)[1], 1)
+        buckets = keras.ops.clip(positions[:, None] - positions[None, :], -2, 2) + 2  # rows repeat
+        bias = keras.ops.mean(self.positions(buckets), axis=1)
+        return self.tokens(x) + bias
+
+
 def _positions_model(layer=_TokensAndPositions):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6,), dtype="int32")
@@ -134,6 +144,30 @@ def test_rows_looked_up_alike_for_every_batch_are_listed_as_on_one_device(optimi
     x, y = _token_rows()
     build = functools.partial(_positions_model, layer)
     _assert_one_devices_numbers(build, optimizer, x, y, batch_size=4 * DEVICES, jit_compile=jit_compile)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_rows_alike_for_every_batch_but_counted_only_when_the_step_runs_are_listed_as_on_one_device(jit_compile):
+    # Sequences of a length unknown when traced (as T5's): the replicas' bucket rows were
+    # summed into one row each, where one device lists one per pair of positions: Adam's
+    # weights 1.2e-2 off one device's after two steps (keras_hub's T5).
+    x, y = _token_rows()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4 * DEVICES)
+    data = data.map(lambda a, b: (tf.reshape(a, [tf.shape(a)[0], -1]), b))  # (None, None) when traced
+
+    def train(parallel):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((None,), dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(_TokensAndRelativeBuckets()(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(6)(pooled))
+        trained = kerasmulti.parallelize(model, gpus=DEVICES) if parallel else model
+        trained.compile(optimizer=OPTIMIZERS["adam"](), loss="mse", jit_compile=jit_compile)
+        return model, trained.fit(data, epochs=2, verbose=0).history["loss"]
+
+    (reference, expected), (template, got) = train(parallel=False), train(parallel=True)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for a, b in zip(reference.weights, template.weights):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=a.path)
 
 
 def test_across_workers_a_position_embeddings_rows_are_summed_as_on_one_device():

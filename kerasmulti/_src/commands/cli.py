@@ -174,6 +174,14 @@ def _parser() -> argparse.ArgumentParser:
     predict.add_argument("--dataset", help="the dataset to read in an .h5 INPUT")
     predict.add_argument("--gpus", type=_positive_int, default=None, help="devices to use (default: all)")
     predict.add_argument("--batch-size", type=_positive_int, default=32, help="rows per global batch (default: 32)")
+    predict.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="a module (name or .py file) to import first: one that registers the model's custom layers",
+    )
+    predict.add_argument(
+        "--unsafe-deserialization", action="store_true",
+        help="load the Python code of Lambda layers (Keras' safe_mode=False): only for a file you trust",
+    )
     launch = commands.add_parser(
         "launch", help="run a script as N worker processes of one TF_CONFIG cluster"
     )

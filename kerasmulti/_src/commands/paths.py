@@ -19,6 +19,15 @@ def check(args) -> None:
     _check_model(args.model)
     if not os.path.exists(args.input):
         raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
+    if not (os.path.isfile(args.input) or os.path.isdir(args.input)):  # reading a pipe would wait for a writer
+        raise ValueError(f"The input is not a regular file or a folder (a pipe or a device). Received: input={args.input!r}")
+    if os.path.isdir(args.input) and args.dataset is not None:
+        raise ValueError(
+            f"--dataset is for HDF5 inputs, but '{args.input}' is a folder of images. Drop it. Received: dataset={args.dataset!r}"
+        )
+    for module in args.imports:
+        if module.endswith(".py") and not os.path.isfile(module):
+            raise ValueError(f"The file to import, '{module}', does not exist. Received: --import={module!r}")
 
 
 def _check_model(path: str) -> None:
@@ -30,8 +39,10 @@ def _check_model(path: str) -> None:
                 f"Received: model={path!r}"
             )
         raise ValueError(f"'{path}' is a folder, not a model file. Pass a .keras or .h5 model file. Received: model={path!r}")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ValueError(f"The model file '{path}' does not exist. Received: model={path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"The model is not a regular file (a pipe or a device). Received: model={path!r}")
     if not path.endswith(MODEL_SUFFIXES):  # as Keras tells them apart; its refusal is a paragraph
         raise ValueError(f"MODEL is not a model file: pass a .keras or .h5 file, as model.save() writes. Received: model={path!r}")
 
@@ -51,3 +62,5 @@ def _check_output(path: str) -> None:
             f"--output is a folder. Name an HDF5 file in it, e.g. --output {os.path.join(path, 'features.h5')}. "
             f"Received: --output={path!r}"
         )
+    if problem == "special":
+        raise ValueError(f"--output is not a regular file (a pipe or a device). Name an HDF5 file. Received: --output={path!r}")

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
+import re
+import sys
 
 import h5py
 import keras
@@ -24,16 +27,51 @@ from kerasmulti._src.inference.parallel_predict import parallel_predict
 from kerasmulti._src.model_parallel import portable as _portable
 
 
-def _model_from_file(path: str):
+def _model_from_file(path: str, imports: list[str], safe_mode: bool):
+    for module in imports:
+        _import(module)
     try:
         # A placed model keeps its placement; predicting needs no loss or optimizer.
-        return _portable.load_model(path, compile=False)
+        return _portable.load_model(path, compile=False, safe_mode=safe_mode)
     except Exception as error:  # Keras raises many kinds for a bad file
-        if isinstance(error, ValueError) and "Received: filepath=" in str(error):
-            raise ValueError(str(error).replace("Received: filepath=", "Received: model=")) from error  # says it all
+        message = str(error)
+        if isinstance(error, ValueError) and "Received: filepath=" in message:
+            raise ValueError(message.replace("Received: filepath=", "Received: model=")) from error  # says it all
+        unknown = re.search(r"Could not locate (?:class|function) '([^']+)'", message)
+        if unknown:
+            raise ValueError(
+                f"The model uses '{unknown[1]}', which Keras does not know. Import the module that defines "
+                f"it: --import MODULE. Received: model={path!r}"
+            ) from error
+        if "safe_mode=False" in message:
+            raise ValueError(
+                "The model holds Python code (a Lambda layer), which Keras loads only from a trusted file. "
+                f"If you trust it, add --unsafe-deserialization. Received: model={path!r}"
+            ) from error
         raise ValueError(
             f"The file could not be loaded as a Keras model ({type(error).__name__}: "
-            f"{error}). Pass a .keras or .h5 file. Received: model={path!r}"
+            f"{message.splitlines()[0][:200] if message else ''}). Save it again with model.save(). "
+            f"Received: model={path!r}"
+        ) from error
+
+
+def _import(name: str) -> None:
+    """Runs a module of the user's (`--import`), so that the classes it registers load."""
+    try:
+        if name.endswith(".py"):  # a file: imported as `python FILE` would run it, its folder first on the path
+            folder = os.path.dirname(os.path.abspath(name))
+            sys.path.insert(0, folder)
+            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(name))[0], name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:  # a module name, found from the working folder first, as `python -m` finds it
+            sys.path.insert(0, os.getcwd())
+            importlib.import_module(name)
+    except Exception as error:  # the user's code may raise anything
+        raise ValueError(
+            f"--import {name} failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}). "
+            f"Received: --import={name!r}"
         ) from error
 
 
@@ -104,11 +142,18 @@ class ImageFolder(keras.utils.PyDataset):
             raise ValueError(
                 f"Reading images needs Pillow: pip install 'kerasmulti[images]'. Received: input={folder!r}"
             ) from error
-        self.paths = sorted(
-            os.path.join(folder, name)
-            for name in os.listdir(folder)
-            if name.lower().endswith(IMAGE_SUFFIXES)
-        )
+        names = os.listdir(folder)
+        # Hidden files are left out: macOS writes `._photo.jpg` beside each image on some drives.
+        images = sorted(name for name in names if name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith("."))
+        for name in images:
+            try:
+                name.encode("utf-8")  # the output's `filenames` holds UTF-8 text
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"An image's file name is not UTF-8 text. Rename it. Received: image={os.fsencode(os.path.join(folder, name))!r}"
+                ) from None
+        self.paths = [os.path.join(folder, name) for name in images]
+        self.left_out = sorted(set(names) - set(images) - {name for name in names if name.startswith(".")})
         if not self.paths:
             raise ValueError(
                 f"The folder '{folder}' holds no images ({', '.join(IMAGE_SUFFIXES)}). "
@@ -125,16 +170,18 @@ class ImageFolder(keras.utils.PyDataset):
         return np.stack([self._load(path) for path in paths])
 
     def _load(self, path: str) -> np.ndarray:
+        from PIL import Image
+
         try:
-            image = keras.utils.load_img(path, target_size=self.size, color_mode=self.color_mode)
-        except (OSError, ValueError) as error:  # Pillow's names a buffer, not the file
+            # Pillow decodes lazily: an image that needs no resizing is decoded by img_to_array.
+            return keras.utils.img_to_array(keras.utils.load_img(path, target_size=self.size, color_mode=self.color_mode))
+        except (OSError, ValueError, Image.DecompressionBombError) as error:  # Pillow's names a buffer, not the file
             # Replacing or removing an image changes the input, and an output
             # file begun on the old input is refused (its fingerprint differs).
             raise ValueError(
                 f"An image could not be read ({type(error).__name__}). Replace or remove it, and start a new output file. "
                 f"Received: image={path!r}"
             ) from error
-        return keras.utils.img_to_array(image)
 
 
 def _image_input(args, model, extra: dict):
@@ -145,13 +192,19 @@ def _image_input(args, model, extra: dict):
             f"Received: input={args.input!r}"
         )
     data = ImageFolder(args.input, shape[0], shape[1], shape[2] or 3, args.batch_size)
+    if data.left_out:
+        print(
+            f"kerasmulti predict: left out {len(data.left_out)} entries of the folder that are not "
+            f"{'/'.join(IMAGE_SUFFIXES)} images (e.g. {data.left_out[0]!r})",
+            file=sys.stderr,
+        )
     extra["filenames"] = np.array([os.path.basename(p) for p in data.paths], dtype=h5py.string_dtype())
     return data
 
 
 def run(args) -> int:
     _paths.check(args)  # the command checked them before TensorFlow loaded; a caller of run() may not have
-    model = _model_from_file(args.model)
+    model = _model_from_file(args.model, args.imports, safe_mode=not args.unsafe_deserialization)
     rows_before = _rows_done(args.output)
     extra = {}
     with contextlib.ExitStack() as stack:
@@ -171,9 +224,13 @@ def run(args) -> int:
                 "INPUT must be an .h5/.hdf5 file, an .npy file or a folder of "
                 f"images. Received: input={args.input!r}"
             )
-        parallel_predict(
-            model, data, gpus=args.gpus, batch_size=args.batch_size, output=args.output, extra=extra
-        )
+        try:
+            parallel_predict(model, data, gpus=args.gpus, batch_size=args.batch_size, output=args.output, extra=extra)
+        except _output_file.ExtraNameClash as error:  # the user passed no extra=: the command did
+            raise ValueError(
+                "The model has an output named 'filenames', the dataset that holds the images' names. "
+                f"Call parallel_predict() in Python instead. Received: model={args.model!r}"
+            ) from error
     rows = _rows_done(args.output)
     if rows_before and rows_before == rows:
         print(f"{args.output} already held predictions for all {rows} rows; nothing was written")

@@ -40,7 +40,7 @@ from kerasmulti._src.utils.arguments import check_readable_file, check_save_path
 
 
 class TemplatePersistence:
-    """`save`, `save_weights`, `load_weights`, `get_config` and `summary` on `self._template`."""
+    """`save`, `save_weights`, `load_weights`, `export` and `summary` on `self._template`; no `get_config`."""
 
     def save(self, filepath, *args, **kwargs):
         """Saves the template model (see `keras.Model.save`).
@@ -77,8 +77,17 @@ class TemplatePersistence:
             with optimizers_loaded(template, filepath, getattr(self, "_strategy", None)):
                 return template.load_weights(filepath, *args, **kwargs)
 
+    def export(self, filepath, *args, **kwargs):
+        """Exports the template (see `keras.Model.export`): it serves on one device, as any Keras model."""
+        return self._template.export(filepath, *args, **kwargs)
+
     def get_config(self):
-        return self._template.get_config()
+        """Refused: Keras would save this wrapper's class with the template's config, a file none can load."""
+        # `keras.saving.save_model(parallel)` and `to_json()` come here, not to `save`.
+        raise NotImplementedError(
+            "A parallel model has no config of its own. Save it with model.save(path), which writes its template, "
+            f"or use kerasmulti.unwrap(model). Received: model={self.name!r}"
+        )
 
     def _compiled_as_this(self):
         """Inside: the template has this model's compile settings and optimizer (see the module docstring)."""

@@ -47,6 +47,7 @@ TOLERANCE = 1e-3
 # GlobalAveragePooling2D) differ by the rounding of the values they came from (~4e-8).
 SMALLEST_SCALE = 1e-3
 MADE_UP_LENGTH = 3  # for an input axis of unknown length
+RESHAPED = float("inf")  # the difference of outputs whose shape follows the batch's rows
 
 
 def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
@@ -54,7 +55,7 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
 
     With `training`, also in training mode (see the module's docstring).
     """
-    if parallel._rows_probed or len(parallel.replica_devices) < 2 or parallel._custom is not None:
+    if parallel._rows_probed or len(parallel.replica_devices) < 2:
         return
     parallel._rows_probed = True
     template = parallel._template
@@ -83,7 +84,7 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
             f"would, so split over devices they differ. Train it on one device. Received: assigned={names}",
             stacklevel=stacklevel + 1,
         )
-    added = max(loss for _, loss in differences)
+    added = max(loss for _, loss, _ in differences)
     if added > TOLERANCE:
         # Each replica's added loss counts by its share of the rows (docs/data-parallel.md, "Training").
         warnings.warn(
@@ -91,8 +92,17 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
             f"devices it differs. Divide it by the rows, or use one device. Received: relative difference={added:.1e}",
             stacklevel=stacklevel + 1,
         )
-    difference = max(outputs for outputs, _ in differences)
-    if difference > TOLERANCE:
+    difference = max(outputs for outputs, _, _ in differences)
+    if difference == RESHAPED:
+        # An axis as long as the batch (a similarity matrix, CLIP's logits): the replicas' joined are not one device's.
+        whole, joined = next(shapes[0] for _, _, shapes in differences if shapes)
+        warnings.warn(
+            f"The outputs of '{template.name}' change shape with the batch's rows (an axis as long as the batch), "
+            f"so split over devices they are not one device's. Run it on one device. Received: output shape "
+            f"{whole}, joined from two halves {joined}",
+            stacklevel=stacklevel + 1,
+        )
+    elif difference > TOLERANCE:
         # Why, and what to do: docs/data-parallel.md, "Models that look across rows".
         mode = " in training mode" if differences[0][0] <= TOLERANCE else ""
         warnings.warn(
@@ -103,8 +113,9 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
         )
 
 
-def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple[float, float]:
-    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves; and the losses added.
+def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple[float, float, list]:
+    """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves; the losses added;
+    and the first output whose halves joined have another shape (its whole shape and theirs: `RESHAPED`).
 
     The halves' added losses count by their shares of the rows, as the
     replicas' do. Either is 0 where it changes from one call of the whole
@@ -125,7 +136,10 @@ def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple
     loss, loss_again, parts = ([np.float64(v)] for v in (loss, loss_again, parts))
     # Each judged apart: random outputs say nothing of the added losses, and the other way round.
     outputs = 0.0 if _relative(whole, again) > TOLERANCE else _relative(whole, halves)
-    return outputs, 0.0 if _relative(loss, loss_again) > TOLERANCE else _relative(loss, parts)
+    shapes = [(tuple(w.shape), tuple(h.shape)) for w, h in zip(whole, halves) if h is not None and w.shape != h.shape]
+    if shapes:
+        outputs = RESHAPED
+    return outputs, 0.0 if _relative(loss, loss_again) > TOLERANCE else _relative(loss, parts), shapes[:1]
 
 
 @contextlib.contextmanager

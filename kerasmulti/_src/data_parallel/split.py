@@ -268,13 +268,29 @@ def joined_rows(gradients: list, once: bool) -> tf.IndexedSlices:
 def shared_rows(gradients: list) -> tf.IndexedSlices:
     """Rows every replica lists alike (`row_kind` "shared"): one replica's, the values added.
 
-    Where their count is not known alike when traced, joined and summed
-    into one row each (as one device lists them, unless they repeat).
+    One device lists them as each replica does, repeats included (T5's
+    relative-position buckets: one lookup per pair of positions), and Adam
+    squares each listed row, so the replicas' values are added row for row.
+    Where the replicas' rows are not known alike when traced (a count of
+    `None`), that is checked when the step runs; rows that differ after all
+    (they follow the batch's shape, not its rows) are joined and summed into one each.
     """
+    first = gradients[0]
     counts = {g.indices.shape[0] for g in gradients}
-    if len(counts) > 1 or None in counts:
-        return joined_rows(gradients, once=True)
-    return tf.IndexedSlices(tf.add_n([g.values for g in gradients]), gradients[0].indices, gradients[0].dense_shape)
+    if len(counts) == 1 and None not in counts:
+        return tf.IndexedSlices(tf.add_n([g.values for g in gradients]), first.indices, first.dense_shape)
+
+    def alike():
+        return tf.reduce_all([tf.reduce_all(tf.equal(g.indices, first.indices)) for g in gradients[1:]])
+
+    same_count = tf.reduce_all([tf.equal(tf.size(g.indices), tf.size(first.indices)) for g in gradients[1:]])
+    joined = joined_rows(gradients, once=True)
+    values, indices = tf.cond(
+        tf.cond(same_count, alike, lambda: tf.constant(False)),
+        lambda: (tf.add_n([tf.reshape(g.values, tf.shape(first.values)) for g in gradients]), first.indices),
+        lambda: (joined.values, joined.indices),
+    )
+    return tf.IndexedSlices(values, indices, first.dense_shape)
 
 
 def row_kind(indices) -> str:

@@ -65,6 +65,11 @@ def check_path(output) -> str:
             f"parallel_predict()'s output is a folder. Name an HDF5 file, e.g. "
             f"output={os.path.join(path, 'features.h5')!r}. Received: output={path!r}"
         )
+    if problem == "special":
+        raise ValueError(
+            f"parallel_predict()'s output is not a regular file (a pipe or a device). Name an HDF5 file. "
+            f"Received: output={path!r}"
+        )
     return path
 
 
@@ -122,11 +127,15 @@ def check_extra_rows(extra: dict, rows: int) -> None:
             )
 
 
+class ExtraNameClash(ValueError):
+    """An `extra` key that is also the name of an output dataset (`kerasmulti predict` says it in its words)."""
+
+
 def check_extra_names(extra: dict, names) -> None:
     """Refuses an `extra` key that is also the name of an output dataset."""
     clashes = sorted(set(extra) & set(names))
     if clashes:
-        raise ValueError(
+        raise ExtraNameClash(
             f"parallel_predict()'s extra {clashes} has the name of a model output ({list(names)}). Rename it. "
             f"Received: extra={_keys(extra)}"
         )

@@ -191,6 +191,11 @@ class WorkerModel(ParallelModel):
         if _cluster.is_chief():
             return super().save_weights(filepath, *args, **kwargs)
 
+    def export(self, filepath, *args, **kwargs):
+        """Exports the template on the chief only."""
+        if _cluster.is_chief():
+            return super().export(filepath, *args, **kwargs)
+
     def _on_all_workers(self, method, args, kwargs):
         if not _cluster.is_chief():
             kwargs["verbose"] = 0  # one progress bar, the chief's
