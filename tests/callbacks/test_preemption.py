@@ -89,6 +89,7 @@ def test_sigterm_mid_epoch_backs_up_that_step_and_the_rerun_ends_as_the_uninterr
     assert not os.path.exists(tmp_path / "backup")  # done: deleted, as Keras does
 
 
+@pytest.mark.slow  # 6-10 s: the fast tier keeps the SIGTERM resume above
 def test_a_periodic_backup_killed_mid_epoch_resumes_at_its_step(tmp_path, uninterrupted):
     # save_freq=4 and SIGKILL (no chance to save): the re-run resumes at the
     # last backup, in the middle of an epoch, and repeats only what came after it.

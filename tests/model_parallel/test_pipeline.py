@@ -390,6 +390,7 @@ def test_mixing_layers_warn_with_micro_batches_and_one_micro_batch_takes_a_state
         kerasmulti.pipeline(keras.models.clone_model(reference), gpus=2, microbatches=2)
 
 
+@pytest.mark.slow  # 10-16 s: the fast tier keeps the other cuts' tests
 def test_the_cut_keeps_a_layer_called_twice_one_layer_and_a_compiled_model_compiled(tmp_path):
     # One wrapper per layer (two would share a name, which Keras refuses); the model's
     # compile, optimizer and its state come along, as with a model loaded from a file.

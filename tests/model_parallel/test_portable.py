@@ -113,6 +113,7 @@ def test_an_h5_file_of_a_placed_model_loads_with_kerasmulti_load_model_in_a_fres
     assert result.stdout.strip().splitlines()[-1] == str(sorted({w.device for w in _wrappers(model)}))
 
 
+@pytest.mark.slow  # 6-9 s: the fast tier keeps the other loading tests
 def test_plain_keras_loads_the_file_of_a_placed_model_and_trains_on(tmp_path, rng):
     model, x, y = _trained(rng)
     path, data, out = tmp_path / "placed.keras", tmp_path / "data.npz", tmp_path / "plain.npz"
