@@ -253,7 +253,14 @@ def test_predict_on_a_folder_without_images_and_a_non_image_model(files, tmp_pat
     dense = tmp_path / "dense.keras"
     keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]).save(dense)
     result = _kerasmulti("predict", str(dense), str(folder / "images"), "--output", str(tmp_path / "o.h5"))
-    assert result.returncode == 2 and "needs a model with one image input" in result.stderr
+    assert result.returncode == 2 and "needs a model of one input (height, width, 1, 3 or 4 channels)" in result.stderr
+    # Channels first, and two inputs: refused before any image is read, not with advice to reshape.
+    keras.Sequential([keras.Input((3, 8, 8)), keras.layers.Flatten(), keras.layers.Dense(1)]).save(tmp_path / "first.keras")
+    a, b = keras.Input((8, 8, 3)), keras.Input((8, 8, 3))
+    keras.Model([a, b], keras.layers.Add()([a, b])).save(tmp_path / "two.keras")
+    for model, takes in (("first.keras", "(3, 8, 8)"), ("two.keras", "[(8, 8, 3), (8, 8, 3)]")):
+        with pytest.raises(ValueError, match=re.escape(f"'{tmp_path / model}' takes {takes}. Received: input=")):
+            _predict(folder, tmp_path / model, "images", tmp_path / "o.h5")
 
 
 def test_environment_variable_and_cli_threading_work_together():

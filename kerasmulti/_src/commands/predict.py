@@ -185,11 +185,13 @@ class ImageFolder(keras.utils.PyDataset):
 
 
 def _image_input(args, model, extra: dict):
-    shape = tuple(model.inputs[0].shape[1:])
-    if len(shape) != 3 or None in shape[:2]:
+    shapes = [tuple(t.shape[1:]) for t in model.inputs]
+    shape = shapes[0]
+    # Pillow gives channels last: 1 (grayscale), 3 (RGB) or 4 (RGBA).
+    if len(shapes) != 1 or len(shape) != 3 or None in shape[:2] or shape[2] not in (None, 1, 3, 4):
         raise ValueError(
-            f"A folder of images needs a model with one image input of known size; '{args.model}' takes {shape}. "
-            f"Received: input={args.input!r}"
+            "A folder of images needs a model of one input (height, width, 1, 3 or 4 channels); "
+            f"'{args.model}' takes {shapes[0] if len(shapes) == 1 else shapes}. Received: input={args.input!r}"
         )
     data = ImageFolder(args.input, shape[0], shape[1], shape[2] or 3, args.batch_size)
     if data.left_out:
