@@ -283,12 +283,15 @@ def shared_rows(gradients: list) -> tf.IndexedSlices:
     def alike():
         return tf.reduce_all([tf.reduce_all(tf.equal(g.indices, first.indices)) for g in gradients[1:]])
 
+    def joined():
+        rows = joined_rows(gradients, once=True)
+        return rows.values, rows.indices
+
     same_count = tf.reduce_all([tf.equal(tf.size(g.indices), tf.size(first.indices)) for g in gradients[1:]])
-    joined = joined_rows(gradients, once=True)
     values, indices = tf.cond(
         tf.cond(same_count, alike, lambda: tf.constant(False)),
         lambda: (tf.add_n([tf.reshape(g.values, tf.shape(first.values)) for g in gradients]), first.indices),
-        lambda: (joined.values, joined.indices),
+        joined,
     )
     return tf.IndexedSlices(values, indices, first.dense_shape)
 
