@@ -219,10 +219,15 @@ def _unchanged_if_refused(template, filepath):
             variable.assign(value)
         if not isinstance(error, ValueError) or not any(s in str(error) for s in ("could not be loaded", "mismatch")):
             raise
+        from kerasmulti._src.model_parallel.on_device import OnDevice  # an error's words only
+
+        placed = any(isinstance(layer, OnDevice) for layer in keras_private.flatten_layers(template))
+        # A pipeline cut with gpus=N is placed though its user placed nothing (docs/model-parallel.md).
+        hint = " (a placed model's .weights.h5 holds its placed layout: move weights to or from a plain model in a .keras file)"
         raise ValueError(
             f"load_weights() could not load the file into '{template.name}': its weights do not fit this "
-            f"model's ({keras_load_reason(error)}); the weights are unchanged. Load a file from this model, or pass "
-            f"skip_mismatch=True. Received: filepath={str(filepath)!r}"
+            f"model's ({keras_load_reason(error)}); the weights are unchanged. Load a file from this model"
+            f"{hint if placed else ''}, or pass skip_mismatch=True. Received: filepath={str(filepath)!r}"
         ) from error
 
 

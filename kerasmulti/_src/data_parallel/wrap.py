@@ -28,7 +28,8 @@ def _refuse_unsplittable(model, caller: str) -> None:
             # and replicas see different rows.
             raise ValueError(
                 f"{caller} cannot split the stateful layer '{layer.name}' "
-                f"({type(layer).__name__}). Use stateful=False or one device. Received: layer={layer.name!r} with stateful=True"
+                f"({type(layer).__name__}). Use stateful=False or one device{', or microbatches=1' if 'pipeline' in caller else ''}. "
+                f"Received: layer={layer.name!r} with stateful=True"
             )
         if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
             # Its correction terms are not synchronised across replicas.

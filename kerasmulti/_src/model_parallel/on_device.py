@@ -20,6 +20,7 @@ form serves models Keras rebuilds from their own code, `get_config` and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 
@@ -126,6 +127,13 @@ class OnDevice(keras.layers.Layer):
         if self._call_has_mask and mask is not None:
             kwargs["mask"] = mask
         return kwargs
+
+    def __call__(self, *args, **kwargs):
+        if not args:  # the layer's first input given by its name (`mha(query=q, value=v)`): `inputs` here
+            first = next(iter(inspect.signature(self.layer.call).parameters), None)
+            if first in kwargs:
+                args = (kwargs.pop(first),)
+        return super().__call__(*args, **kwargs)
 
     def call(self, inputs, *args, training=None, mask=None, **kwargs):
         kwargs = self._layer_kwargs(kwargs, training, mask)
@@ -278,6 +286,9 @@ def call_on_device(layer, device, inputs, args, kwargs):
 
     @tf.custom_gradient
     def forward(*tensors):
+        # One tensor passed twice (`Add()([h, h])`, self-attention's `mha(h, h)`) is two tensors
+        # here: the tape would give each position the whole gradient, and the sum would double it.
+        tensors = [_same_mask(tf.identity(t), t) for t in tensors]
         call_leaves = list(leaves)
         for i, tensor in zip(positions, tensors):
             call_leaves[i] = tensor
@@ -310,6 +321,14 @@ def call_on_device(layer, device, inputs, args, kwargs):
         if mask is not None:
             set_keras_mask(outer, mask)
     return keras.tree.pack_sequence_as(results["outputs"], list(flat_outputs))
+
+
+def _same_mask(tensor, like):
+    """`tensor`, with the Keras mask `like` carries (a layer reads its input's mask from it)."""
+    mask = get_keras_mask(like)
+    if mask is not None:
+        set_keras_mask(tensor, mask)
+    return tensor
 
 
 def _short(device: str) -> str:

@@ -80,6 +80,11 @@ def _source_device(tensor) -> str | None:
     return _device_of(operation)
 
 
+def _called_in(layer, nodes: set | None) -> bool:
+    """Whether `layer` itself is called in the graph of `nodes` (None: a subclassed model's, which has none)."""
+    return nodes is not None and any(make_node_key(layer, i) in nodes for i in range(len(keras_private.inbound_nodes(layer))))
+
+
 def _own_nodes(model) -> set | None:
     """Keys of the nodes that belong to `model`'s graph (a layer may be in others too)."""
     return keras_private.graph_node_keys(model)
@@ -93,10 +98,13 @@ def _add_rows(model, prefix: str, rows: list, crossings: list, owners: dict) -> 
     row, on its wrapper's device.
     """
     nodes = _own_nodes(model)
+    wrapped = {id(layer.layer) for layer in model.layers if isinstance(layer, OnDevice)}
     for layer in model.layers:
         if isinstance(layer, keras.Model) and _own_nodes(layer) is not None:
             _add_rows(layer, f"{prefix}{layer.name}/", rows, crossings, owners)
             continue
+        if id(layer) in wrapped and not _called_in(layer, nodes):
+            continue  # tracked beside its wrapper (`self.a = on_device(self.a, ...)`), never called unwrapped
         inner = layer.layer if isinstance(layer, OnDevice) else layer
         name = prefix + layer.name
         # A layer shared by several wrappers counts its weights once.
