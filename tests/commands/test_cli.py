@@ -164,7 +164,7 @@ def test_predict_says_whether_it_wrote_all_rows_resumed_or_found_the_file_comple
     assert messages == [
         f"wrote predictions for 37 rows to {output}",
         f"{output} already held predictions for all 37 rows; nothing was written",
-        f"resumed at row 16: wrote predictions for rows 16 to 37 to {output}",
+        f"resumed at row 16: wrote predictions for the other 21 of 37 rows to {output}",
     ]
 
 
@@ -804,6 +804,12 @@ import keras
 class Twice(keras.layers.Layer):
     def call(self, x):
         return 2 * x
+
+
+@keras.saving.register_keras_serializable(package="kerasmulti_cli_test")
+class Miswritten(Twice):
+    def get_config(self):
+        return {**super().get_config(), "factor": 2.0}  # an argument __init__ does not take
 """
 
 
@@ -831,9 +837,13 @@ def test_custom_layers_load_with_import_and_lambda_layers_with_unsafe_deserializ
         forget()
         assert _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / f"c{i + 1}.h5", "--import", module) == 0
         _assert_holds(tmp_path / f"c{i + 1}.h5", custom.predict(x, verbose=0))
+    keras.Sequential([keras.Input((8, 8, 3)), my_layers.Miswritten()]).save(tmp_path / "miswritten.keras")
+    with pytest.raises(ValueError, match=r"could not be loaded as a Keras model \(TypeError: Unrecognized keyword arguments "
+                                         r"passed to Miswritten: \{'factor': 2.0\}\)\. Load it in Python .* Received: model="):
+        _predict(folder, tmp_path / "miswritten.keras", "x.npy", tmp_path / "c3.h5", "--import", "my_layers")
     with pytest.raises(ValueError, match=r"--import no_such_module failed \(ModuleNotFoundError: No module named 'no_such_module'\). Received: --import="):
         _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / "c3.h5", "--import", "no_such_module")
-    with pytest.raises(ValueError, match=r"The file to import, 'gone.py', does not exist. Received: --import='gone.py'"):
+    with pytest.raises(ValueError, match=r"The file to import, 'gone.py', does not exist or is a folder. Received: --import='gone.py'"):
         _predict(folder, tmp_path / "custom.keras", "x.npy", tmp_path / "c3.h5", "--import", "gone.py")
 
     with pytest.raises(ValueError, match=r"The model holds Python code \(a Lambda layer\), .* add --unsafe-deserialization. Received: model="):

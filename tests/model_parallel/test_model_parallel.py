@@ -304,7 +304,7 @@ def test_placement_summary_lists_a_subclassed_models_layer_wrapped_in_init_once(
     class Placed(keras.Model):
         def __init__(self):
             super().__init__()
-            self.a, self.b = keras.layers.Dense(5, name="a"), keras.layers.Dense(1, name="b")
+            self.a, self.b = keras.layers.Dense(5, name="a"), keras.Sequential([keras.layers.Dense(1)], name="b")
             self.a, self.b = kerasmulti.on_device(self.a, "/cpu:1"), kerasmulti.on_device(self.b, "/cpu:2")
 
         def call(self, x):

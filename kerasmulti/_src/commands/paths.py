@@ -27,7 +27,7 @@ def check(args) -> None:
         )
     for module in args.imports:
         if module.endswith(".py") and not os.path.isfile(module):
-            raise ValueError(f"The file to import, '{module}', does not exist. Received: --import={module!r}")
+            raise ValueError(f"The file to import, '{module}', does not exist or is a folder. Received: --import={module!r}")
 
 
 def _check_model(path: str) -> None:

@@ -48,20 +48,24 @@ def _model_from_file(path: str, imports: list[str], safe_mode: bool):
                 "The model holds Python code (a Lambda layer), which Keras loads only from a trusted file. "
                 f"If you trust it, add --unsafe-deserialization. Received: model={path!r}"
             ) from error
+        # Keras ends a failed rebuild with its cause: "... Exception encountered: <the cause>".
+        cause = message.split("Exception encountered:")[-1].strip()
         raise ValueError(
             f"The file could not be loaded as a Keras model ({type(error).__name__}: "
-            f"{message.splitlines()[0][:200] if message else ''}). Save it again with model.save(). "
-            f"Received: model={path!r}"
+            f"{cause.splitlines()[0][:200] if cause else ''}). Load it in Python with the libraries and "
+            f"code it was saved with. Received: model={path!r}"
         ) from error
 
 
 def _import(name: str) -> None:
     """Runs a module of the user's (`--import`), so that the classes it registers load."""
     try:
-        if name.endswith(".py"):  # a file: imported as `python FILE` would run it, its folder first on the path
+        if name.endswith(".py"):  # a file: run as a module of its name, its folder first on the path (its imports)
             folder = os.path.dirname(os.path.abspath(name))
             sys.path.insert(0, folder)
-            spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(name))[0], name)
+            stem = os.path.splitext(os.path.basename(name))[0]
+            stem = stem if stem not in sys.modules else f"kerasmulti_import_{stem}"  # never one already loaded (copy.py)
+            spec = importlib.util.spec_from_file_location(stem, name)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
@@ -237,7 +241,7 @@ def run(args) -> int:
     if rows_before and rows_before == rows:
         print(f"{args.output} already held predictions for all {rows} rows; nothing was written")
     elif rows_before:
-        print(f"resumed at row {rows_before}: wrote predictions for rows {rows_before} to {rows} to {args.output}")
+        print(f"resumed at row {rows_before}: wrote predictions for the other {rows - rows_before} of {rows} rows to {args.output}")
     else:
         print(f"wrote predictions for {rows} rows to {args.output}")
     return 0

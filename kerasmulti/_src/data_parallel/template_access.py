@@ -118,7 +118,7 @@ class TemplateAccess:
         if name in vars(template) or _defined_by_user_class(type(template), name):
             return getattr(template, name)
         if hasattr(type(template), name):  # Keras' (`inputs`) or a library's (keras_hub's `generate`)
-            library = type(template).__module__.split(".")[0]
+            library = next(c for c in type(template).__mro__ if name in vars(c)).__module__.split(".")[0]
             raise AttributeError(
                 f"'{type(self).__name__}' object has no attribute '{name}'; its template has {library}'s, which is "
                 f"not lent. Use kerasmulti.unwrap(model).{name}. Received: name={name!r}"
@@ -128,10 +128,6 @@ class TemplateAccess:
             f"'{template.name}' has none of its own to lend. Reach the template with "
             f"kerasmulti.unwrap(model). Received: name={name!r}"
         )
-
-    def compute_output_shape(self, *args, **kwargs):
-        """The template's: a parallel model's outputs are its outputs, batch for batch."""
-        return self._template.compute_output_shape(*args, **kwargs)
 
     def __setattr__(self, name, value):
         # Keras skips `self.x = value` where `self.x is value` already: a value only lent by the

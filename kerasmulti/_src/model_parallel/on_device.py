@@ -288,7 +288,8 @@ def call_on_device(layer, device, inputs, args, kwargs):
     def forward(*tensors):
         # One tensor passed twice (`Add()([h, h])`, self-attention's `mha(h, h)`) is two tensors
         # here: the tape would give each position the whole gradient, and the sum would double it.
-        tensors = [_same_mask(tf.identity(t), t) for t in tensors]
+        with tf.device(device):  # where the layer reads them (run eagerly, a copy would go to the default device)
+            tensors = [_same_mask(tf.identity(t), t) for t in tensors]
         call_leaves = list(leaves)
         for i, tensor in zip(positions, tensors):
             call_leaves[i] = tensor

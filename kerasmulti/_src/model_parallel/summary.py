@@ -100,11 +100,11 @@ def _add_rows(model, prefix: str, rows: list, crossings: list, owners: dict) -> 
     nodes = _own_nodes(model)
     wrapped = {id(layer.layer) for layer in model.layers if isinstance(layer, OnDevice)}
     for layer in model.layers:
+        if id(layer) in wrapped and not _called_in(layer, nodes):
+            continue  # tracked beside its wrapper (`self.a = on_device(self.a, ...)`), never called unwrapped
         if isinstance(layer, keras.Model) and _own_nodes(layer) is not None:
             _add_rows(layer, f"{prefix}{layer.name}/", rows, crossings, owners)
             continue
-        if id(layer) in wrapped and not _called_in(layer, nodes):
-            continue  # tracked beside its wrapper (`self.a = on_device(self.a, ...)`), never called unwrapped
         inner = layer.layer if isinstance(layer, OnDevice) else layer
         name = prefix + layer.name
         # A layer shared by several wrappers counts its weights once.
