@@ -96,10 +96,12 @@ def test_predict_and_evaluate_refuse_a_batch_size_of_zero():
 
 def test_rows_must_agree_and_exist():
     x, y = _xy(10)
-    with pytest.raises(ValueError, match=r"x arrays with different numbers of rows.*one per sample.*Received: rows=\{'x': 10, 'y': 8\}$"):
+    with pytest.raises(ValueError, match=r"fit\(\) got the x, y arrays with different numbers of rows.*one per sample.*Received: rows=\{'x': 10, 'y': 8\}$"):
         _parallel().fit(x, y[:8], verbose=0)
-    with pytest.raises(ValueError, match=r"Received: rows=\{'x': 10, 'y': 10, 'sample_weight': 7\}$"):
+    with pytest.raises(ValueError, match=r"got the x, y, sample_weight arrays .* Received: rows=\{'x': 10, 'y': 10, 'sample_weight': 7\}$"):
         _parallel().fit(x, y, sample_weight=np.ones(7), verbose=0)
+    with pytest.raises(ValueError, match=r"fit\(\) got validation_data's x, y arrays with different numbers .* rows=\{'x': 10, 'y': 8\}$"):
+        _parallel().fit(x, y, validation_data=(x, y[:8]), verbose=0)
     with pytest.raises(ValueError, match=r"fit\(\) got x arrays with no rows.*Received: rows=0"):
         _parallel().fit(x[:0], y[:0], verbose=0)
     with pytest.raises(ValueError, match=r"predict\(\) got x arrays with no rows"):
@@ -110,9 +112,9 @@ def test_the_on_batch_calls_check_their_arrays_as_fit_evaluate_and_predict_do():
     # Unchecked, a replica's loss failed on its sub-batch: "Dimensions must be equal, but are 3 and 4".
     x, y = _xy()
     parallel = _parallel()
-    with pytest.raises(ValueError, match=r"^train_on_batch\(\) got x arrays with different numbers of rows.*Received: rows=\{'x': 8, 'y': 3\}$"):
+    with pytest.raises(ValueError, match=r"^train_on_batch\(\) got the x, y arrays with different numbers of rows.*Received: rows=\{'x': 8, 'y': 3\}$"):
         parallel.train_on_batch(x, y[:3])
-    with pytest.raises(ValueError, match=r"^test_on_batch\(\) got x arrays.*Received: rows=\{'x': 8, 'y': 8, 'sample_weight': 2\}$"):
+    with pytest.raises(ValueError, match=r"^test_on_batch\(\) got the x, y, sample_weight arrays.*Received: rows=\{'x': 8, 'y': 8, 'sample_weight': 2\}$"):
         parallel.test_on_batch(x, y, sample_weight=np.ones(2))
     with pytest.raises(ValueError, match=r"^predict_on_batch\(\) got x rows of shape \(7,\).*Received: x.shape=\(8, 7\)$"):
         parallel.predict_on_batch(np.zeros((8, 7), "float32"))

@@ -217,6 +217,28 @@ def test_one_tensor_passed_twice_to_a_placed_layer_gets_the_unplaced_gradient(ca
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_placed_layer_takes_a_sparse_input_and_trains_as_unplaced():
+    # tf.convert_to_tensor refused the SparseTensor: "Failed to convert elements of SparseTensor" (found by review).
+    def train(place):
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,), sparse=True)
+        dense = keras.layers.Dense(3)
+        hidden = kerasmulti.on_device(dense, "/cpu:1")(inputs) if place else dense(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(optimizer="sgd", loss="mse")
+        x = tf.sparse.from_dense(np.where(RNG.random((8, 6)) > 0.5, 1.0, 0.0).astype("float32"))
+        return model, model.fit(x, np.ones((8, 1)), batch_size=4, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    keras.utils.set_random_seed(3)
+    state = RNG.bit_generator.state
+    placed, placed_losses = train(True)
+    RNG.bit_generator.state = state  # the same rows
+    plain, plain_losses = train(False)
+    np.testing.assert_allclose(placed_losses, plain_losses, rtol=1e-5)
+    for a, b in zip(placed.weights, plain.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_a_placed_layer_takes_its_first_input_by_name_as_unplaced():
     # `mha(query=q, value=v)` failed placed: "missing a required argument: 'inputs'" (found by review).
     q, v = keras.Input((3, 4)), keras.Input((5, 4))

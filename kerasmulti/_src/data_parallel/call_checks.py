@@ -145,8 +145,9 @@ def _check_data(method: str, model, data: dict, argument: str) -> None:
     rows = {name: [len(a) for a in tree.flatten(value)] for name, value in present.items()}
     if len({n for counts in rows.values() for n in counts}) > 1:
         sizes = {name: counts[0] if len(counts) == 1 else counts for name, counts in rows.items()}
+        where = "validation_data's" if argument == "validation_data" else "the"
         raise ValueError(
-            f"{method}() got {argument} arrays with different numbers of rows. Give one per sample. "
+            f"{method}() got {where} {', '.join(sizes)} arrays with different numbers of rows. Give one per sample. "
             f"Received: rows={sizes}"
         )
     if rows["x"][0] == 0:

@@ -279,9 +279,10 @@ def call_on_device(layer, device, inputs, args, kwargs):
     if not record.could_possibly_record():
         with _scopes.suspended(), tf.device(device):
             return layer(inputs, *args, **kwargs)
-    inputs = keras.tree.map_structure(tf.convert_to_tensor, inputs)
+    inputs = keras.tree.map_structure(lambda t: t if _composite(t) else tf.convert_to_tensor(t), inputs)
     leaves = keras.tree.flatten((inputs, args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+    # A sparse or ragged input (the batch itself) reaches the layer as it is: no gradient is asked of it.
+    positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf) and not _composite(leaf)]
     results = {}
 
     @tf.custom_gradient
@@ -322,6 +323,10 @@ def call_on_device(layer, device, inputs, args, kwargs):
         if mask is not None:
             set_keras_mask(outer, mask)
     return keras.tree.pack_sequence_as(results["outputs"], list(flat_outputs))
+
+
+def _composite(value) -> bool:
+    return isinstance(value, (tf.SparseTensor, tf.RaggedTensor))
 
 
 def _same_mask(tensor, like):
