@@ -21,10 +21,9 @@ def check(args) -> None:
         raise ValueError(f"The input '{args.input}' does not exist. Received: input={args.input!r}")
     if not (os.path.isfile(args.input) or os.path.isdir(args.input)):  # reading a pipe would wait for a writer
         raise ValueError(f"The input is not a regular file or a folder (a pipe or a device). Received: input={args.input!r}")
-    if os.path.isdir(args.input) and args.dataset is not None:
-        raise ValueError(
-            f"--dataset is for HDF5 inputs, but '{args.input}' is a folder of images. Drop it. Received: dataset={args.dataset!r}"
-        )
+    kind = "a folder of images" if os.path.isdir(args.input) else "a .npy file" if args.input.lower().endswith(".npy") else None
+    if kind is not None and args.dataset is not None:
+        raise ValueError(f"--dataset is for HDF5 inputs, but '{args.input}' is {kind}. Drop it. Received: dataset={args.dataset!r}")
     for module in args.imports:
         if module.endswith(".py") and not os.path.isfile(module):
             raise ValueError(f"The file to import, '{module}', does not exist or is a folder. Received: --import={module!r}")

@@ -217,11 +217,6 @@ def run(args) -> int:
         if os.path.isdir(args.input):
             data = _image_input(args, model, extra)
         elif args.input.lower().endswith(".npy"):
-            if args.dataset is not None:
-                raise ValueError(
-                    f"--dataset is for HDF5 inputs, but '{args.input}' is a .npy file. Drop it. "
-                    f"Received: dataset={args.dataset!r}"
-                )
             data = _npy_input(args.input)
         elif args.input.lower().endswith((".h5", ".hdf5")):
             data = _hdf5_input(args.input, args.dataset, stack)

@@ -47,7 +47,6 @@ TOLERANCE = 1e-3
 # GlobalAveragePooling2D) differ by the rounding of the values they came from (~4e-8).
 SMALLEST_SCALE = 1e-3
 MADE_UP_LENGTH = 3  # for an input axis of unknown length
-RESHAPED = float("inf")  # the difference of outputs whose shape follows the batch's rows
 
 
 def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
@@ -93,9 +92,10 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
             stacklevel=stacklevel + 1,
         )
     difference = max(outputs for outputs, _, _ in differences)
-    if difference == RESHAPED:
+    reshaped = next((shapes[0] for _, _, shapes in differences if shapes), None)
+    if reshaped is not None:
         # An axis as long as the batch (a similarity matrix, CLIP's logits): the replicas' joined are not one device's.
-        whole, joined = next(shapes[0] for _, _, shapes in differences if shapes)
+        whole, joined = reshaped
         warnings.warn(
             f"The outputs of '{template.name}' change shape with the batch's rows (an axis as long as the batch), "
             f"so split over devices they are not one device's. Run it on one device. Received: output shape "
@@ -115,7 +115,7 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
 
 def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple[float, float, list]:
     """How far the outputs for `rows` rows of `x`, whole, are from the same rows in two halves; the losses added;
-    and the first output whose halves joined have another shape (its whole shape and theirs: `RESHAPED`).
+    and the first output whose halves joined have another shape (its whole shape and theirs), if any.
 
     The halves' added losses count by their shares of the rows, as the
     replicas' do. Either is 0 where it changes from one call of the whole
@@ -137,8 +137,6 @@ def _difference(template, x, rows: int, training: bool, assigned: dict) -> tuple
     # Each judged apart: random outputs say nothing of the added losses, and the other way round.
     outputs = 0.0 if _relative(whole, again) > TOLERANCE else _relative(whole, halves)
     shapes = [(tuple(w.shape), tuple(h.shape)) for w, h in zip(whole, halves) if h is not None and w.shape != h.shape]
-    if shapes:
-        outputs = RESHAPED
     return outputs, 0.0 if _relative(loss, loss_again) > TOLERANCE else _relative(loss, parts), shapes[:1]
 
 
