@@ -879,6 +879,10 @@ def test_a_loss_of_its_own_summed_over_the_rows_is_warned_about(recwarn):
     evaluating = _OwnTestStep()
     with pytest.warns(UserWarning, match=r"'own_test_step' runs its own steps with \['mean_squared_error'\]"):
         kerasmulti.parallelize(evaluating, gpus=2).compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    nested = _SumsItsLoss("sum_over_batch_size")
+    nested.heads = {"boxes": {"class": keras.losses.MeanSquaredError(reduction="sum")}}  # two containers deep
+    with pytest.warns(UserWarning, match=r"'sums_its_loss' runs its own steps with \['mean_squared_error'\]"):
+        kerasmulti.parallelize(nested, gpus=2).compile(optimizer="sgd")
     recwarn.clear()
     kerasmulti.parallelize(_SumsItsLoss("sum_over_batch_size"), gpus=2).compile(optimizer="sgd")
     kerasmulti.parallelize(_SumsItsLoss("sum"), gpus=1).compile(optimizer="sgd")

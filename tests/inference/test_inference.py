@@ -76,13 +76,22 @@ def test_tf_data_and_pydataset_inputs():
     _assert_same(expected, kerasmulti.parallel_predict(model, dataset, verbose=0))
 
     class Batches(keras.utils.PyDataset):
+        ended = 0
+
         def __len__(self):
             return 4
 
         def __getitem__(self, i):
             return x[i * 5 : (i + 1) * 5]
 
-    _assert_same(expected, kerasmulti.parallel_predict(model, Batches(), verbose=0))
+        def on_epoch_end(self):
+            self.ended += 1
+
+    batches = Batches()
+    _assert_same(expected, kerasmulti.parallel_predict(model, batches, verbose=0))
+    keras_batches = Batches()
+    model.predict(keras_batches, verbose=0)
+    assert batches.ended == keras_batches.ended == 1  # once at the end (a reshuffling one reshuffles)
 
 
 def test_streams_into_hdf5_one_dataset_per_output(tmp_path):
@@ -422,8 +431,18 @@ def test_batches_that_break_the_row_count_are_refused(tmp_path):
         def __getitem__(self, i):
             return x[[0, 3, 8][i] : [3, 8, 10][i]]
 
-    with pytest.raises(ValueError, match=r"PyDataset batch 1 has 5 rows.*expects 3.*Received: batch=1, rows=5"):
+    with pytest.raises(ValueError, match=r"PyDataset batch 1 has 5 rows.*expects 3\. Make every batch but the last as large as the first\. Received: batch=1, rows=5"):
         kerasmulti.parallel_predict(model, Uneven(), verbose=0)
+
+    class TooLong(keras.utils.PyDataset):  # batches of 4, 4 and 2 rows, then empty ones
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return x[4 * i : 4 * i + 4]
+
+    with pytest.raises(ValueError, match=r"PyDataset batch 2 has 2 rows.*expects 4\. Make __len__ count only batches that hold rows \(batch 4 holds none\)\. Received"):
+        kerasmulti.parallel_predict(model, TooLong(), verbose=0)  # before: it blamed batch 2 alone
     reads = []  # a pipeline that batches differently when read again
 
     def batches():
@@ -805,6 +824,63 @@ def test_single_values_and_text_are_refused():
         kerasmulti.parallel_predict(model, np.full((4, 6), "a"))
     with pytest.raises(ValueError, match=r"holds Python objects.*Received: dtype=object"):
         kerasmulti.parallel_predict(model, np.full((4, 6), None, dtype=object))
+
+
+def test_unbatched_pipelines_are_refused_as_predict_refuses_them(tmp_path):
+    rows = tf.data.Dataset.from_tensor_slices(_data(8))
+    with pytest.raises(ValueError, match=r"parallel_predict\(\) got a Dataset of single rows\. Batch it: dataset\.batch\(32\)\. Received: element shape=\(6,\)"):
+        kerasmulti.parallel_predict(_two_outputs(), rows, verbose=0)
+    inputs = keras.Input((1,))
+    scalar_model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    values = tf.data.Dataset.from_tensor_slices(np.arange(8, dtype="float32"))
+    with pytest.raises(ValueError, match=r"got a batch that is a single value\. Batch the input: dataset\.batch\(32\)\. Received: batch shape=\(\)"):
+        kerasmulti.parallel_predict(scalar_model, values, output=str(tmp_path / "out.h5"), verbose=0)  # before: TypeError from len()
+    assert not (tmp_path / "out.h5").exists()
+
+
+def test_a_pipeline_that_gives_nothing_when_read_again_is_refused(tmp_path):
+    model, x = _two_outputs(), _data(12)
+    once = (x[i : i + 4] for i in range(0, 12, 4))  # one pass only: counting the rows uses it up
+    pipeline = tf.data.Dataset.from_generator(lambda: once, output_signature=tf.TensorSpec((None, 6), tf.float32))
+    with pytest.raises(ValueError, match=r"The input gave 0 rows, but 12 were counted before\. Make it give the same rows on each read\. Received: rows=0, counted=12"):
+        kerasmulti.parallel_predict(model, pipeline, output=str(tmp_path / "out.h5"), verbose=0)  # before: a bare StopIteration
+
+
+def _batch_mean(seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.ops.mean(keras.layers.Dense(3)(inputs), axis=0, keepdims=True))
+
+
+def test_a_model_that_reduces_over_its_rows_is_refused_batch_by_batch_also_after_a_step_for_any_batch_size(tmp_path):
+    # A call on 2 rows leaves a step traced for any batch size (no rows to check while
+    # tracing): each later batch came back as one row per replica, and into a file too.
+    model, x = _batch_mean(), _data(20)
+    kerasmulti.parallel_predict(model, x[:DEVICES], verbose=0)  # one row each: no rows mixed, nothing to see
+    message = r"A batch of 10 row\(s\) gave an output without one row per input row.*Received: output shape \(\d, 3\)"
+    with pytest.raises(ValueError, match=message):
+        kerasmulti.parallel_predict(model, x, batch_size=10, verbose=0)
+    with pytest.raises(ValueError, match=message):
+        kerasmulti.parallel_predict(model, tf.data.Dataset.from_tensor_slices(x).batch(10), verbose=0)
+    for _ in range(2):  # before: every call wrote some rows and moved the file's counter on
+        with pytest.raises(ValueError, match=message):
+            kerasmulti.parallel_predict(model, x, batch_size=10, output=str(tmp_path / "out.h5"), verbose=0)
+        assert not (tmp_path / "out.h5").exists()
+
+
+def test_an_output_squeezed_to_one_axis_is_written_as_model_predict_returns_it(tmp_path):
+    # The file's layout came from 2 sample rows: one per replica, which squeeze() made a scalar.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.ops.squeeze(keras.layers.Dense(1)(inputs)))
+    x = _data(24)
+    expected = model.predict(x, batch_size=8, verbose=0)
+    assert expected.shape == (24,)
+    for fresh in (True, False):  # a fresh step, and the step the call before kept
+        path = tmp_path / f"out-{fresh}.h5"
+        kerasmulti.parallel_predict(model, x, batch_size=8, output=str(path), verbose=0)
+        with h5py.File(path, "r") as f:
+            np.testing.assert_allclose(f[next(iter(f))][...], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_damaged_hdf5_input_is_named(tmp_path):

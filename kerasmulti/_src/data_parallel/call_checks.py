@@ -118,8 +118,7 @@ def _check_compiled(method: str, model) -> None:
 def _check_arrays(method: str, model, arguments: dict, *sizes: str) -> None:
     """The checks of `fit`, `evaluate` and `predict` alike: a dataset's rank, the batch sizes and arrays."""
     data = {name: arguments.get(name) for name in ("x", "y", "sample_weight")}
-    if isinstance(data["x"], tf.data.Dataset):
-        _check_batched(method, model._template, data["x"].element_spec)
+    check_batched(method, model._template, data["x"])
     if not numpy_arrays(data["x"]):
         return
     for name in ("batch_size", *sizes):
@@ -372,9 +371,11 @@ def _check_labels(method: str, model, y: np.ndarray, output, loss, argument: str
         )
 
 
-def _check_batched(method: str, template, spec) -> None:
+def check_batched(method: str, template, data) -> None:
     """Refuses a dataset of single rows for a model with one input: Keras would read each row as a batch."""
-    inputs = _inputs(template)
+    if not isinstance(data, tf.data.Dataset):
+        return
+    spec, inputs = data.element_spec, _inputs(template)
     if isinstance(spec, tuple) and 1 <= len(spec) <= 3:
         spec = spec[0]
     if not inputs or len(inputs) != 1 or not isinstance(spec, tf.TensorSpec):

@@ -214,12 +214,17 @@ def _check_rows(t, rows) -> None:
     if shape is None or shape.rank is None:
         return  # unknown rank (a compiled replica's trace): merge checks it
     if shape.rank == 0 or (isinstance(rows, int) and shape[0] is not None and shape[0] != rows):
-        raise ValueError(
-            f"A sub-batch of {rows if rows is not None else 'unknown'} row(s) gave an output "
-            "without one row per input row, so the replicas' outputs cannot be joined. Keep "
-            "axis 0 in every output (squeeze(x, axis=-1), not squeeze(x)), or use one device. "
-            f"Received: output shape {tuple(shape)}"
-        )
+        raise not_one_row_per_input("A sub-batch", rows, shape)
+
+
+def not_one_row_per_input(what: str, rows, shape) -> ValueError:
+    """The error for an output whose rows are not the input's (`what`: "A sub-batch", "A batch")."""
+    return ValueError(
+        f"{what} of {rows if rows is not None else 'unknown'} row(s) gave an output "
+        "without one row per input row, so the replicas' outputs cannot be joined. Keep "
+        "axis 0 in every output (squeeze(x, axis=-1), not squeeze(x)), or use one device. "
+        f"Received: output shape {tuple(shape)}"
+    )
 
 
 def _concat(pieces, shards):

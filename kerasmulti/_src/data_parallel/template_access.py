@@ -195,14 +195,20 @@ def _warn_if_summed_loss(template, overridden) -> None:
     means, not for a sum that the step divides by a count over the whole batch.
     """
     held = [v for k, v in vars(template).items() if k != "_compile_loss"]  # its own, and those compiled (`loss`)
-    held += [item for v in held if isinstance(v, (list, tuple, Mapping)) for item in (v.values() if isinstance(v, Mapping) else v)]
-    summed = [v.name for v in held if isinstance(v, keras.losses.Loss) and getattr(v, "reduction", None) == "sum"]
+    summed = [v.name for v in _held_losses(held) if getattr(v, "reduction", None) == "sum"]
     if summed and overridden:
         warnings.warn(
             f"'{template.name}' runs its own steps with {summed}, sums over the rows: replicas weigh theirs by "
             "rows, exact for means only. Received: reduction='sum'",
             stacklevel=_user_stacklevel(),
         )
+
+
+def _held_losses(values, depth: int = 3) -> list:
+    """The `keras.losses.Loss` objects among `values`, also inside lists and dicts, `depth` levels deep."""
+    found = [v for v in values if isinstance(v, keras.losses.Loss)]
+    inner = [item for v in values if isinstance(v, (list, tuple, Mapping)) for item in (v.values() if isinstance(v, Mapping) else v)]
+    return found + (_held_losses(inner, depth - 1) if inner and depth > 1 else [])
 
 
 def _user_stacklevel() -> int:

@@ -25,10 +25,11 @@ from keras import tree
 
 from kerasmulti._src import cluster as _cluster
 from kerasmulti._src import keras_private
-from kerasmulti._src.data_parallel.call_checks import check_indices
+from kerasmulti._src.data_parallel.call_checks import check_batched, check_indices
 from kerasmulti._src.data_parallel.custom_steps import warn_not_run
 from kerasmulti._src.data_parallel.local_model import LocalParallelModel
 from kerasmulti._src.data_parallel.parallel_model import unwrap
+from kerasmulti._src.data_parallel.split import not_one_row_per_input
 from kerasmulti._src.data_parallel.wrap import check_model, local_parallel
 from kerasmulti._src.devices import resolve_devices
 from kerasmulti._src.inference import fingerprints as _fingerprints
@@ -195,6 +196,7 @@ def parallel_predict(
         parallel = _parallel_of(unwrap(model), gpus, devices)
     template = parallel._template
     warn_not_run(template, ("predict_step",))
+    check_batched("parallel_predict", template, data)
     source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(
@@ -205,11 +207,15 @@ def parallel_predict(
     predict = _predictor(parallel)
     if output is None:
         collected = [batch for batch, _ in _predicted_batches(predict, template, source, 0, batch_size, verbose)]
-        return tree.map_structure(lambda *parts: _concatenate(parts), *collected)
-    _output_file.check_not_input(data, output)
-    _output_file.check_extra_rows(extra, source.rows)
-    _stream(predict, template, source, output, batch_size, verbose, extra)
-    return output
+        result = tree.map_structure(lambda *parts: _concatenate(parts), *collected)
+    else:
+        _output_file.check_not_input(data, output)
+        _output_file.check_extra_rows(extra, source.rows)
+        _stream(predict, template, source, output, batch_size, verbose, extra)
+        result = output
+    if isinstance(data, keras.utils.PyDataset):
+        data.on_epoch_end()  # as model.predict calls it, once the input is read through
+    return result
 
 
 def _refuse_on_other_workers(output: str) -> None:
@@ -279,7 +285,20 @@ def _sample_outputs(predict, template, sample):
             outputs = template.compute_output_spec(symbolic)
             if all(None not in tuple(t.shape[1:]) for t in tree.flatten(outputs)):
                 return tree.map_structure(lambda t: np.zeros((1, *t.shape[1:]), dtype=t.dtype), outputs)
-    return predict(sample)
+    return _one_row_per_input(predict(sample), sample)
+
+
+def _one_row_per_input(predictions, inputs):
+    """`predictions`, refused where an output lacks one row per input row.
+
+    A step traced for any batch size knows no rows to check, so a model
+    that reduces over its rows (a batch mean) is caught here, per batch.
+    """
+    rows = int(np.shape(tree.flatten(inputs)[0])[0])
+    for value in tree.flatten(predictions):
+        if np.ndim(value) == 0 or len(value) != rows:
+            raise not_one_row_per_input("A batch", rows, np.shape(value))
+    return predictions
 
 
 def _check_row_shapes(template, source, sample, names, spec, output) -> None:
@@ -365,7 +384,7 @@ def _predicted_batches(predict, template, source, start, batch_size, verbose):
         bar.update(start)
     for inputs in _prefetch(source.batches(start, batch_size)):
         check_indices("parallel_predict", template, inputs, "data")
-        predictions = predict(inputs)
+        predictions = _one_row_per_input(predict(inputs), inputs)
         end = row + len(tree.flatten(predictions)[0])
         if source.rows is not None and end > source.rows:
             row = end  # more rows than counted: reported below
@@ -376,8 +395,4 @@ def _predicted_batches(predict, template, source, start, batch_size, verbose):
         row = end
     if source.rows is not None and row != source.rows:
         # Some inputs are read twice: once to count their rows, then to predict.
-        raise ValueError(
-            f"The input gave {'at least ' if row > source.rows else ''}{row} rows, but {source.rows} "
-            "were counted before. Make it give the same rows on each read. "
-            f"Received: rows={row}, counted={source.rows}"
-        )
+        raise _sources.reread_error(row, source.rows)

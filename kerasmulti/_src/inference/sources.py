@@ -69,8 +69,8 @@ class Source:
 class ArraySource(Source):
     """Arrays and HDF5 datasets, of which the first `limit` rows (all where None)."""
 
-    def __init__(self, data, limit: int | None = None):
-        self.data = data
+    def __init__(self, data, limit: int | None = None, sample_rows: int = 2):
+        self.data, self.sample_rows, self._sample = data, sample_rows, None
         for array in tree.flatten(data):
             if len(array.shape) == 0:
                 raise ValueError(
@@ -90,6 +90,13 @@ class ArraySource(Source):
         for begin in range(start, self.rows, size):
             end = min(begin + size, self.rows)
             yield tree.map_structure(lambda a: _read(a, begin, end), self.data)
+
+    def sample(self):
+        # A whole first batch: fewer rows could leave a replica one row, which a model's
+        # squeeze() turns into no row at all, where the batches themselves predict.
+        if self._sample is None:
+            self._sample = next(iter(self.batches(0, self.sample_rows)), None)
+        return self._sample
 
     def fingerprint_parts(self):
         for begin in _sampled_rows(self.rows):
@@ -206,16 +213,21 @@ class BatchedSource(Source):
             )
         # A PyDataset's rows are counted from its first and last batch, as
         # Keras' contract says every batch but the last is full.
+        last = len(self.sizes) - 1
+        fix = (f"Make __len__ count only batches that hold rows (batch {last} holds none)" if last > index and not self.sizes[-1]
+               else "Make every batch but the last as large as the first")
         return (
             f"PyDataset batch {index} has {rows} rows, but parallel_predict() expects {expected}. "
-            f"Make every batch but the last as large as the first. Received: batch={index}, rows={rows}"
+            f"{fix}. Received: batch={index}, rows={rows}"
         )
 
     def sample(self):
         # Read afresh and checked, so that a pipeline that reshuffles is
         # refused before the output file is made.
         if self._sample is None:
-            self._sample = next(self._raw())
+            self._sample = next(self._raw(), None)
+            if self._sample is None:  # a one-shot generator behind Dataset.from_generator
+                raise reread_error(0, self.rows)
             self._check_batch(0, self._sample)
         return self._sample
 
@@ -311,7 +323,13 @@ def values_bytes(array: np.ndarray) -> bytes:
 
 def _row_count(batch) -> int:
     """The rows in `batch`: the length of its first array."""
-    return len(tree.flatten(batch)[0])
+    first = tree.flatten(batch)[0]
+    if np.ndim(first) == 0:  # an unbatched pipeline of single values
+        raise ValueError(
+            "parallel_predict() got a batch that is a single value. Batch the input: dataset.batch(32). "
+            f"Received: batch shape={np.shape(first)}"
+        )
+    return len(first)
 
 
 def _head(batches: Iterator, n: int):
@@ -361,7 +379,16 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
             "parallel_predict() reads numpy arrays (or a list or dict of them), an h5py.Dataset, a PyDataset "
             f"or a tf.data.Dataset. Convert lists with np.asarray(...). Received: data={type(data).__name__}{held}"
         )
-    return ArraySource(data, None if steps is None else steps * batch_size)
+    return ArraySource(data, None if steps is None else steps * batch_size, sample_rows=batch_size)
+
+
+def reread_error(rows: int, counted: int) -> ValueError:
+    """The error for an input that gave other rows when read again than when its rows were counted."""
+    return ValueError(
+        f"The input gave {'at least ' if rows > counted else ''}{rows} rows, but {counted} "
+        "were counted before. Make it give the same rows on each read. "
+        f"Received: rows={rows}, counted={counted}"
+    )
 
 
 def check_inputs(model, sample) -> None:
