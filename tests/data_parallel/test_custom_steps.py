@@ -892,6 +892,44 @@ def test_a_loss_of_its_own_summed_over_the_rows_is_warned_about(recwarn):
     assert not [w for w in recwarn if "sums over the rows" in str(w.message)]
 
 
+class _CountNormalised(keras.Model):
+    """Squared errors summed and divided by the positive targets of the whole batch (a detector's normaliser)."""
+
+    def __init__(self, per_row):
+        inputs = keras.Input((3,))
+        super().__init__(inputs, keras.layers.Dense(1)(inputs), name="count_normalised")
+        self.per_row = per_row
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        positives = keras.ops.cast(y > 0, "float32")
+        if self.per_row:  # each row by its own count: a mean over the rows
+            return keras.ops.mean(keras.ops.square(y - y_pred) / keras.ops.maximum(positives, 0.5))
+        return keras.ops.sum(keras.ops.square(y - y_pred)) / keras.ops.maximum(keras.ops.sum(positives), 1.0)
+
+
+def test_a_compute_loss_divided_by_a_count_over_the_batch_is_warned_about_at_the_first_fit(recwarn):
+    # Each replica divides by its own rows' count: not one device's numbers, and before, no word.
+    rng = np.random.default_rng()
+    x, y = rng.normal(size=(16, 3)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+    parallel = kerasmulti.parallelize(_CountNormalised(per_row=False), gpus=DEVICES)
+    parallel.compile(optimizer="sgd")
+    with pytest.warns(UserWarning, match=r"The compute_loss of 'count_normalised' is not a mean over the batch's rows.*Normalise per row, or use one device\. Received: relative difference=") as record:
+        parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert [w.filename for w in record if "compute_loss" in str(w.message)] == [__file__]
+    recwarn.clear()
+    parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)  # once per parallel model
+    # Normalised row by row it is exact, and the probe leaves the model as one device's.
+    reference, template = _CountNormalised(per_row=True), _CountNormalised(per_row=True)
+    template.set_weights(reference.get_weights())
+    parallel = kerasmulti.parallelize(template, gpus=DEVICES)
+    for model in (reference, parallel):
+        model.compile(optimizer="sgd")
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_same_logs(reference.fit(x, y, **fit).history, parallel.fit(x, y, **fit).history)
+    assert_same_weights(reference, template)
+    assert not [w for w in recwarn if "compute_loss" in str(w.message)]
+
+
 class _OwnTestStep(keras.Model):
     def __init__(self):
         inputs = keras.Input((3,))

@@ -2,10 +2,11 @@
 
 A GAN, a VAE, a distiller or any model written as Keras' guide "Customizing
 what happens in fit()" shows keeps its training in its own step. Such a step
-runs here in a *replica context*, as `tf.distribute` runs it: every replica
-runs the template's step unchanged on its rows, on its device's thread
+runs here per replica, as `tf.distribute` runs it in its replica context: every
+replica runs the template's step unchanged on its rows, on its device's thread
 (`replicas.run`, synchronised), and kerasmulti handles the points where one
-device would see the whole batch:
+device would see the whole batch (`tf.distribute.get_replica_context()` is
+TensorFlow's default there: its `all_reduce` reaches no other replica):
 
 - `optimizer.apply` (and `apply_gradients`, which calls it): the replicas'
   gradients, each multiplied by its replica's share of the rows, are summed

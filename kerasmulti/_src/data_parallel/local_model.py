@@ -75,6 +75,7 @@ class LocalParallelModel(ParallelModel):
         self._adopt_template_compile()
         arguments = _feeding.bound(keras.Model.fit, (x, y, batch_size, *args), kwargs)
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
+        _row_mixing.probe_loss_once(self, arguments, stacklevel=2)
         _monitor.attach(self, arguments.get("callbacks"))
         self._fit_started(arguments)
         seed = _epoch_order.seed_for(arguments.get("callbacks"), self._fit_calls)

@@ -60,6 +60,7 @@ class ParallelModel(_persistence.TemplatePersistence, _template_access.TemplateA
         self._validates = None  # whether the running fit has validation data (`_fit_started`)
         self._fit_callbacks = []  # the running fit's callbacks (`_fit_started`)
         self._rows_probed = False  # `row_mixing.probe_once`: the first fit/evaluate/predict
+        self._loss_probed = False  # `row_mixing.probe_loss_once`: the first fit
         self._template_on_host = False  # `cpu_relocation` moved the template's variables to the host
         if hasattr(template, "output_names"):
             self.output_names = template.output_names

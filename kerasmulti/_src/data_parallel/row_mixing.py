@@ -22,7 +22,8 @@ it assigns) is put back, in every mode: the user's model is left as it was.
 A model that assigns its weights in a training call (SpectralNormalization)
 is warned about: every replica would assign them; so is a loss a layer adds
 (`add_loss`) that is not a mean over the rows (a sum): each replica's counts
-by its share of the rows.
+by its share of the rows. For the same reason the first `fit` on arrays
+tries a `compute_loss` of the model's own (`probe_loss_once`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kerasmulti._src.data_parallel.call_checks import numpy_arrays
 from kerasmulti._src.utils.patching import patched
 
 PROBE_ROWS = 4
+LOSS_PROBE_ROWS = 8
 # Relative to the outputs' size: float sums in another order differ by about 1e-7.
 TOLERANCE = 1e-3
 # Smaller outputs count as this size: ones that cancel to ~1e-8 (GroupNormalization, then
@@ -109,6 +111,57 @@ def probe_once(parallel, x, stacklevel: int, training: bool = False) -> None:
             f"The outputs of '{template.name}' for a row depend on the other rows of its batch{mode}, "
             "so split over devices they differ. Run it on one device "
             f"(docs/data-parallel.md). Received: relative difference={difference:.1e}",
+            stacklevel=stacklevel + 1,
+        )
+
+
+def probe_loss_once(parallel, arguments: dict, stacklevel: int) -> None:
+    """Warns if the template's own `compute_loss` is not a mean over the rows; at its first `fit` on arrays.
+
+    Each replica's loss counts by its share of the rows, so a loss divided by
+    a count over the whole batch (RetinaNet-style positive anchors, DETR's
+    `num_boxes`) is each replica's own count's. The first rows' loss, whole,
+    is compared with their halves' weighted by their rows, in inference mode
+    (no draws), and whatever the calls move is put back.
+    """
+    if parallel._loss_probed or len(parallel.replica_devices) < 2:
+        return
+    parallel._loss_probed = True
+    template = parallel._template
+    x, y, sample_weight = (arguments.get(name) for name in ("x", "y", "sample_weight"))
+    if type(template).compute_loss is keras.Model.compute_loss or not (numpy_arrays(x) and numpy_arrays(y)):
+        return  # Keras' own loss is split exactly; a dataset is not read here
+    if sample_weight is not None and not numpy_arrays(sample_weight):
+        return
+    count = len(tree.flatten(x)[0])
+    # Rows spread over the data, cut a third of the way: the first rows, cut in halves, can hold
+    # as many boxes each (a detector's), and then a count over the batch splits exactly.
+    rows = np.unique(np.linspace(0, count - 1, min(count, LOSS_PROBE_ROWS)).astype(int))
+    if len(rows) < 2:
+        return
+    cut = max(1, len(rows) // 3)
+
+    def loss(taken):
+        part = [None if d is None else tree.map_structure(lambda a: a[taken], d) for d in (x, y, sample_weight)]
+        y_pred = template(part[0], training=False)
+        return np.float64(np.asarray(keras_private.compute_loss(template, *part[:2], y_pred, part[2], False)))
+
+    try:
+        with warnings.catch_warnings(), _put_back(template, {}):
+            warnings.simplefilter("ignore")  # the real step gives the model's warnings
+            whole, again, first, second = loss(rows), loss(rows), loss(rows[:cut]), loss(rows[cut:])
+    except Exception:
+        return  # the step itself will say what is wrong
+    parts = (first * cut + second * (len(rows) - cut)) / len(rows)
+    if _relative([whole], [again]) > TOLERANCE:
+        return  # a loss that changes from one call to the next is not judged
+    difference = _relative([whole], [parts])
+    if difference > TOLERANCE:
+        # docs/limitations.md, "Custom steps and layer metrics".
+        warnings.warn(
+            f"The compute_loss of '{template.name}' is not a mean over the batch's rows (divided by a count over "
+            "the batch?), so split over devices it differs. Normalise per row, or use one device. "
+            f"Received: relative difference={difference:.1e}",
             stacklevel=stacklevel + 1,
         )
 

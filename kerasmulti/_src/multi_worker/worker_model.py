@@ -152,6 +152,7 @@ class WorkerModel(ParallelModel):
             self._adopt_template_compile()
             _monitor.attach(self, arguments.get("callbacks"))
         _row_mixing.probe_once(self, arguments.get("x"), stacklevel=2, training=True)
+        _row_mixing.probe_loss_once(self, arguments, stacklevel=2)
         self._fit_started(arguments)
         seed = self._seed + self._fit_calls  # a new order in every fit() call too
         return self._on_all_workers(super().fit, (), _worker_inputs.fit_arguments(self._strategy, arguments, seed))
