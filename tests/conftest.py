@@ -56,3 +56,10 @@ def pytest_collection_modifyitems(config, items):
         if key in seen:
             item.add_marker(pytest.mark.slow)
         seen.add(key)
+    # The longest files first: each runs whole in one process (`--dist loadfile`), in this
+    # order, so one started last (the multi-worker tests, over 10 minutes) would leave the
+    # other process idle at the end.
+    items.sort(key=lambda item: _LONGEST_FIRST.index(item.path.name) if item.path.name in _LONGEST_FIRST else len(_LONGEST_FIRST))
+
+
+_LONGEST_FIRST = ["test_multiworker.py", "test_pipeline.py", "test_callbacks.py", "test_losses.py", "test_custom_steps.py", "test_notebooks.py"]

@@ -895,15 +895,16 @@ def test_a_loss_of_its_own_summed_over_the_rows_is_warned_about(recwarn):
 class _CountNormalised(keras.Model):
     """Squared errors summed and divided by the positive targets of the whole batch (a detector's normaliser)."""
 
-    def __init__(self, per_row):
+    def __init__(self, per_row, noise=0.0):
         inputs = keras.Input((3,))
         super().__init__(inputs, keras.layers.Dense(1)(inputs), name="count_normalised")
-        self.per_row = per_row
+        self.per_row, self.noise = per_row, noise
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         positives = keras.ops.cast(y > 0, "float32")
-        if self.per_row:  # each row by its own count: a mean over the rows
-            return keras.ops.mean(keras.ops.square(y - y_pred) / keras.ops.maximum(positives, 0.5))
+        if self.per_row:  # each row by its own count: a mean over the rows, with noise drawn as a VAE may draw it
+            noise = keras.random.normal(keras.ops.shape(y_pred), seed=7)  # alike for every batch of one shape
+            return keras.ops.mean(keras.ops.square(y - y_pred - self.noise * noise) / keras.ops.maximum(positives, 0.5))
         return keras.ops.sum(keras.ops.square(y - y_pred)) / keras.ops.maximum(keras.ops.sum(positives), 1.0)
 
 
@@ -918,7 +919,11 @@ def test_a_compute_loss_divided_by_a_count_over_the_batch_is_warned_about_at_the
     assert [w.filename for w in record if "compute_loss" in str(w.message)] == [__file__]
     recwarn.clear()
     parallel.fit(x, y, batch_size=8, epochs=1, verbose=0)  # once per parallel model
-    # Normalised row by row it is exact, and the probe leaves the model as one device's.
+    # Normalised row by row it is exact, and draws in the loss (a batch's shape's, alike at each
+    # call) are not taken for a count over the batch.
+    noisy = kerasmulti.parallelize(_CountNormalised(per_row=True, noise=0.5), gpus=DEVICES)
+    noisy.compile(optimizer="sgd")
+    noisy.fit(x, y, batch_size=8, epochs=1, verbose=0)
     reference, template = _CountNormalised(per_row=True), _CountNormalised(per_row=True)
     template.set_weights(reference.get_weights())
     parallel = kerasmulti.parallelize(template, gpus=DEVICES)

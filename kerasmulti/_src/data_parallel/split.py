@@ -217,12 +217,12 @@ def _check_rows(t, rows) -> None:
         raise not_one_row_per_input("A sub-batch", rows, shape)
 
 
-def not_one_row_per_input(what: str, rows, shape) -> ValueError:
-    """The error for an output whose rows are not the input's (`what`: "A sub-batch", "A batch")."""
+def not_one_row_per_input(what: str, rows, shape, why="the replicas' outputs cannot be joined", other="use one device"):
+    """The error (a ValueError) for an output whose rows are not the input's (`what`: "A sub-batch", "A batch")."""
     return ValueError(
         f"{what} of {rows if rows is not None else 'unknown'} row(s) gave an output "
-        "without one row per input row, so the replicas' outputs cannot be joined. Keep "
-        "axis 0 in every output (squeeze(x, axis=-1), not squeeze(x)), or use one device. "
+        f"without one row per input row, so {why}. Keep "
+        f"axis 0 in every output (squeeze(x, axis=-1), not squeeze(x)), or {other}. "
         f"Received: output shape {tuple(shape)}"
     )
 

@@ -197,7 +197,11 @@ def parallel_predict(
     template = parallel._template
     warn_not_run(template, ("predict_step",))
     check_batched("parallel_predict", template, data)
-    source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size)
+    if isinstance(data, keras.utils.PyDataset) and hasattr(data, "on_epoch_begin"):  # Keras 3.14's has none
+        data.on_epoch_begin()  # with on_epoch_end below, as model.predict calls them
+    # Sample rows: 2 for each replica, so that none gets 1 row, which squeeze() would make none.
+    sample_rows = min(batch_size, 2 * len(parallel.replica_devices))
+    source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size, sample_rows=sample_rows)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(
             "parallel_predict() got an input with no rows. Pass data with at least one row. Received: rows=0"
@@ -214,7 +218,7 @@ def parallel_predict(
         _stream(predict, template, source, output, batch_size, verbose, extra)
         result = output
     if isinstance(data, keras.utils.PyDataset):
-        data.on_epoch_end()  # as model.predict calls it, once the input is read through
+        data.on_epoch_end()
     return result
 
 
@@ -297,7 +301,7 @@ def _one_row_per_input(predictions, inputs):
     rows = int(np.shape(tree.flatten(inputs)[0])[0])
     for value in tree.flatten(predictions):
         if np.ndim(value) == 0 or len(value) != rows:
-            raise not_one_row_per_input("A batch", rows, np.shape(value))
+            raise not_one_row_per_input("A batch", rows, np.shape(value), "its rows are not the input's", "use model.predict")
     return predictions
 
 

@@ -92,8 +92,7 @@ class ArraySource(Source):
             yield tree.map_structure(lambda a: _read(a, begin, end), self.data)
 
     def sample(self):
-        # A whole first batch: fewer rows could leave a replica one row, which a model's
-        # squeeze() turns into no row at all, where the batches themselves predict.
+        # `sample_rows`: 1 row on a replica could be squeeze()d into none, where the batches predict.
         if self._sample is None:
             self._sample = next(iter(self.batches(0, self.sample_rows)), None)
         return self._sample
@@ -343,8 +342,8 @@ def _head(batches: Iterator, n: int):
     return tree.map_structure(lambda *pieces: np.concatenate(pieces), *parts)
 
 
-def make_source(data, counted: bool = True, steps: int | None = None, batch_size: int = 32) -> Source:
-    """The source for `data`, limited to `steps` batches of `batch_size` rows (for arrays).
+def make_source(data, counted: bool = True, steps: int | None = None, batch_size: int = 32, sample_rows: int = 2) -> Source:
+    """The source for `data`, limited to `steps` batches of `batch_size` rows (for arrays), sampled by `sample_rows`.
 
     `counted=False` lets a tf.data pipeline be read once, uncounted.
     """
@@ -379,7 +378,7 @@ def make_source(data, counted: bool = True, steps: int | None = None, batch_size
             "parallel_predict() reads numpy arrays (or a list or dict of them), an h5py.Dataset, a PyDataset "
             f"or a tf.data.Dataset. Convert lists with np.asarray(...). Received: data={type(data).__name__}{held}"
         )
-    return ArraySource(data, None if steps is None else steps * batch_size, sample_rows=batch_size)
+    return ArraySource(data, None if steps is None else steps * batch_size, sample_rows=sample_rows)
 
 
 def reread_error(rows: int, counted: int) -> ValueError:
