@@ -35,6 +35,7 @@ from kerasmulti._src.devices import resolve_devices
 from kerasmulti._src.inference import fingerprints as _fingerprints
 from kerasmulti._src.inference import output_file as _output_file
 from kerasmulti._src.inference import sources as _sources
+from kerasmulti._src.inference.input_checks import check_inputs
 from kerasmulti._src.utils import fault_points as _fault_points
 from kerasmulti._src.utils.arguments import is_positive_int
 
@@ -197,16 +198,15 @@ def parallel_predict(
     template = parallel._template
     warn_not_run(template, ("predict_step",))
     check_batched("parallel_predict", template, data)
-    if isinstance(data, keras.utils.PyDataset) and hasattr(data, "on_epoch_begin"):  # Keras 3.14's has none
-        data.on_epoch_begin()  # with on_epoch_end below, as model.predict calls them
-    # Sample rows: 2 for each replica, so that none gets 1 row, which squeeze() would make none.
-    sample_rows = min(batch_size, 2 * len(parallel.replica_devices))
+    if isinstance(data, keras.utils.PyDataset) and hasattr(data, "on_epoch_begin"):  # as model.predict (not in Keras 3.14)
+        data.on_epoch_begin()
+    sample_rows = min(batch_size, 2 * len(parallel.replica_devices))  # 1 row, squeeze()d, would be none
     source = _sources.make_source(data, counted=output is not None, steps=steps, batch_size=batch_size, sample_rows=sample_rows)
     if source.rows == 0 or source.sample() is None:
         raise ValueError(
             "parallel_predict() got an input with no rows. Pass data with at least one row. Received: rows=0"
         )
-    _sources.check_inputs(template, source.sample())
+    check_inputs(template, source.sample())
     verbose = 1 if verbose == "auto" else verbose
     predict = _predictor(parallel)
     if output is None:
@@ -293,11 +293,7 @@ def _sample_outputs(predict, template, sample):
 
 
 def _one_row_per_input(predictions, inputs):
-    """`predictions`, refused where an output lacks one row per input row.
-
-    A step traced for any batch size knows no rows to check, so a model
-    that reduces over its rows (a batch mean) is caught here, per batch.
-    """
+    """`predictions`, refused where an output lacks one row per input row (a step traced for any batch size cannot tell)."""
     rows = int(np.shape(tree.flatten(inputs)[0])[0])
     for value in tree.flatten(predictions):
         if np.ndim(value) == 0 or len(value) != rows:
