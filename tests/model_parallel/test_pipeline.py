@@ -90,8 +90,9 @@ def _assert_same(reference, template, expected, got, rtol=1e-5, atol=1e-6):
 
 @pytest.mark.parametrize(
     "case, microbatches",
-    # 3 micro-batches of the slowest case (20 s) add nothing to 2, 4 and 8 of it, and 3 of the others.
-    [(case, m) for case in CASES for m in (4, 1, 2, 3, 8) if (case, m) != ("two inputs, two outputs, mask", 3)],
+    # The slowest case (its trace grows with the micro-batches: 8 took 67 s) at 2 and 4; 1, 3 and 8,
+    # and 8's short last batch, are the other cases'.
+    [(case, m) for case in CASES for m in (4, 1, 2, 3, 8) if case != "two inputs, two outputs, mask" or m in (2, 4)],
 )
 def test_a_pipeline_trains_and_evaluates_with_one_devices_numbers(case, microbatches):
     # 26 rows in batches of 10: the last has 6, fewer than 8 micro-batches (6 parts, not an error).
@@ -107,8 +108,11 @@ def test_a_pipeline_trains_and_evaluates_with_one_devices_numbers(case, microbat
     _assert_same(reference, template, reference.evaluate(**data, **evaluate), piped.evaluate(**data, **evaluate))
 
 
-@pytest.mark.parametrize("microbatches", [4, 3])
-@pytest.mark.parametrize("case", ["dense, sample weights", "two inputs, two outputs, mask"])
+@pytest.mark.parametrize(
+    # The masked case falls back to GPipe's schedule, the test above's: once is enough.
+    "case, microbatches",
+    [("dense, sample weights", 4), ("dense, sample weights", 3), ("two inputs, two outputs, mask", 4)],
+)
 def test_the_1f1b_schedule_trains_with_one_devices_numbers(case, microbatches):
     # The masked loss needs every micro-batch's totals first: its steps run GPipe's schedule, said once.
     build, compile_arguments = CASES[case]

@@ -1,5 +1,7 @@
 """Joins the TF_CONFIG cluster with kerasmulti.initialize(), says so, then waits to be stopped."""
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import time
 
 import kerasmulti

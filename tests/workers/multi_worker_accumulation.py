@@ -24,6 +24,8 @@ The optimizer's variables (iterations, moments, the accumulators) are saved
 beside the weights: one process's state mid-accumulation must match too.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import sys

@@ -29,6 +29,8 @@ one row, one worker takes none. Phases, each trained 2 epochs (the models are
 - unseeded (workers only): a step drawing without a seed generator, refused.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import sys

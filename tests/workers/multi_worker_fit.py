@@ -27,6 +27,8 @@ saves OUT/reference.npz. Phases:
   may write an output file.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import sys

@@ -16,6 +16,8 @@ saves OUT/worker-<index>.npz), or as `multi_worker_inputs.py OUT --reference`
 - refusal: steps_per_execution=2.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import sys

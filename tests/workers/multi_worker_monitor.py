@@ -15,6 +15,8 @@ Worker 1's replica is slowed to half speed. Phases:
 Each worker writes OUT/worker-<index>.json.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import sys

@@ -15,6 +15,8 @@ Each worker appends one line per batch its callbacks see begin to
 OUT/batches-<index>.txt: the epoch, the batch and the optimizer's iterations.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import json
 import os
 import signal

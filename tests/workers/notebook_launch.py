@@ -8,6 +8,8 @@ prints the error launch() raised. `notebook_launch.py sigterm FOLDER`: worker 1
 gets SIGTERM at its third batch, with a ParallelBackupAndRestore in FOLDER.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import os
 import signal
 import sys

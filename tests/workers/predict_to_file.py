@@ -7,6 +7,8 @@ simulated devices. With --check it then compares the file with model.predict
 and exits 1 on a mismatch.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import os
 import sys
 

@@ -17,6 +17,8 @@ per batch its callbacks see begin to FOLDER/batches.txt: the epoch, the
 batch and the optimizer's iterations.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import argparse
 import json
 import os

@@ -17,6 +17,8 @@ batch's checkpoint to FOLDER/snapshot-N.npz (N counts batches from 1).
 Prints one line per epoch so the parent knows how far it got.
 """
 
+import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
+
 import argparse
 import os
 import sys
