@@ -57,9 +57,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         seen.add(key)
     # The longest files first: each runs whole in one process (`--dist loadfile`), in this
-    # order, so one started last (the multi-worker tests, over 10 minutes) would leave the
-    # other process idle at the end.
+    # order (`--no-loadscope-reorder`: pytest-xdist would start the files with the most tests
+    # first), so that none starts last: the multi-worker tests (8 minutes, 13 tests) did,
+    # and left the other process idle for their last 4 minutes.
     items.sort(key=lambda item: _LONGEST_FIRST.index(item.path.name) if item.path.name in _LONGEST_FIRST else len(_LONGEST_FIRST))
 
 
-_LONGEST_FIRST = ["test_multiworker.py", "test_pipeline.py", "test_callbacks.py", "test_losses.py", "test_custom_steps.py", "test_notebooks.py"]
+_LONGEST_FIRST = [
+    "test_multiworker.py", "test_custom_steps.py", "test_conformance.py", "test_pipeline.py", "test_callbacks.py",
+    "test_cli.py", "test_examples.py", "test_balance.py", "test_notebooks.py", "test_losses.py", "test_preemption.py",
+]

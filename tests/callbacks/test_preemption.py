@@ -169,6 +169,7 @@ def test_after_fit_sigterm_ends_the_process_as_without_kerasmulti(tmp_path, fit)
     assert "after fit" in result.stdout and "still running" not in result.stdout
 
 
+@pytest.mark.slow  # 9 s, a process of its own: the fast tier keeps the SIGTERM resume above
 def test_a_fit_after_one_that_raised_still_backs_up_on_sigterm(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", SIGTERM_AFTER_FIT, str(tmp_path / "backup"), "raises-then-fits"],
@@ -202,6 +203,7 @@ print("steps", int(parallel.optimizer.iterations.numpy()), "epochs run", len(fit
 """
 
 
+@pytest.mark.slow  # 17 s a case, two processes: the fast tier keeps the SIGTERM resume above
 @pytest.mark.parametrize("end", ["last epoch", "stopped early"])
 def test_sigterm_in_another_callbacks_last_epoch_end_is_not_swallowed_and_the_rerun_trains_nothing(tmp_path, end):
     # The flag was raised after the backup's last look: fit returned, the backup was deleted, exit 0.
