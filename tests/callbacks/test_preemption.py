@@ -159,6 +159,7 @@ print("still running", flush=True)
 """
 
 
+@pytest.mark.slow  # 8 s a case, a process of its own: CI runs it, the fast tier does not
 @pytest.mark.parametrize("fit", ["returns", "raises"])
 def test_after_fit_sigterm_ends_the_process_as_without_kerasmulti(tmp_path, fit):
     result = subprocess.run(

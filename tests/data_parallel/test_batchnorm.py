@@ -282,6 +282,7 @@ def _walked_ops(monkeypatch, blocks: int) -> int:
     return sum(walked)
 
 
+@pytest.mark.slow  # 8 s: CI runs it, the fast tier does not
 def test_a_first_step_traces_in_time_linear_in_the_batchnorm_layers(monkeypatch):
     # Each synchronised statistic is a custom gradient, whose trace walks back from its outputs to
     # its inputs; through the other replica's values that walk covered that replica's whole graph

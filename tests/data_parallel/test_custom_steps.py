@@ -384,6 +384,7 @@ def test_a_mixed_float16_models_float32_layers_read_their_weights_in_float32_und
     np.testing.assert_allclose(got["score"], template.predict(x, batch_size=BATCH, verbose=0)["score"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 8 s, XLA programs: CI runs it, the fast tier does not
 def test_a_float16_layer_of_a_custom_step_trains_under_xla_as_on_one_device():
     # The compiled calls' state scope, built with an autocast scope of None, cast float16 weights
     # to float32 ("Tensor conversion requested dtype float16 for Tensor with dtype float32").
@@ -622,6 +623,7 @@ class MixedModesGAN(GAN):
         return super().train_step(data)
 
 
+@pytest.mark.slow  # 10 s, XLA programs: CI runs it, the fast tier does not
 def test_each_compiled_call_assigns_what_its_own_trace_assigned():
     # A trace for training=False assigns nothing; one list kept for every trace once assigned 8 of 16.
     data = _data("pairs")
@@ -766,6 +768,7 @@ def test_a_gans_own_optimizers_resume_from_a_backup_with_their_state(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
 
 
+@pytest.mark.slow  # 6 s: CI runs it, the fast tier does not
 def test_a_gan_loaded_from_its_weights_checkpoint_goes_on_with_its_optimizers_state(tmp_path):
     # A ParallelModelCheckpoint of the weights (a GAN has no get_config, so no
     # whole-model file), loaded into a new process's model: Keras skipped the

@@ -309,6 +309,7 @@ def test_a_plain_model_is_parallelized_once_per_devices_and_architecture():
     assert model.layers == layers and len(model.weights) == 6  # not a sub-layer
 
 
+@pytest.mark.slow  # 7 s: CI runs it, the fast tier does not
 def test_moved_or_quantized_variables_get_a_new_parallel_model():
     model, x = _two_outputs(), _data(16)
     kerasmulti.parallel_predict(model, x, batch_size=4, verbose=0)

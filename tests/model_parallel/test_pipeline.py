@@ -232,6 +232,7 @@ def _masked_data(rows=26):
     return dict(x=tokens, y=rng.normal(size=(rows, 2)).astype("float32"))
 
 
+@pytest.mark.slow  # 8 s, XLA programs: CI runs it, the fast tier does not
 @pytest.mark.parametrize("kind", ["dense, sample weights", "embedding, LSTM, batchnorm, mask"])
 def test_a_cut_sequential_model_runs_each_stage_as_one_xla_program_with_one_devices_numbers(kind):
     build, data = (_sequential, _data("dense")) if kind.startswith("dense") else (_sequential_masked, _masked_data())
@@ -280,6 +281,7 @@ def test_a_sub_model_holding_batchnorm_runs_alone_and_is_named_in_the_warning():
     _assert_same(reference, template, expected, got, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # 7 s, XLA programs: CI runs it, the fast tier does not
 def test_a_cut_sequential_models_xla_programs_do_not_grow_with_its_layers():
     # One program per stage and micro-batch (its forward, its gradient, its weights' read);
     # 16 a step at 3 layers and at 7; one per placed layer before: 24 at 3 layers, 56 at 7.
@@ -442,6 +444,7 @@ def test_a_model_compiled_with_xla_and_cut_gets_xla_stages_and_one_devices_numbe
     _assert_same(reference, model, reference.fit(**data, **FIT).history, piped.fit(**data, **FIT).history)
 
 
+@pytest.mark.slow  # 14 s: CI runs it, the fast tier does not
 def test_the_cut_leaves_operations_that_are_not_layers_unplaced_and_trains_with_one_devices_numbers():
     # Embedding's mask (a NotEqual node) and keras.ops calls are nodes of the graph too.
     def build():
