@@ -223,6 +223,7 @@ def test_predict_errors_are_one_line_with_a_non_zero_exit(files, args, message):
         ("", "--output is empty. Name the HDF5 file for the results, e.g. --output features.h5. Received: --output=''"),
         ("{folder}", "--output is a folder. Name an HDF5 file in it, e.g. --output {folder}/features.h5. Received: --output='{folder}'"),
         ("{folder}/out.npy", "--output is an HDF5 file, not numpy's format. Name it e.g. --output {folder}/out.h5. Received: --output='{folder}/out.npy'"),
+        ("{folder}/out.CSV", "--output is an HDF5 file, not CSV. Name it e.g. --output {folder}/out.h5. Received: --output='{folder}/out.CSV'"),
     ],
 )
 def test_predict_refuses_an_output_that_names_no_hdf5_file_in_the_commands_words(files, output, message):

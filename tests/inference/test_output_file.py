@@ -213,9 +213,11 @@ def test_text_outputs_are_refused_for_a_file_and_returned_in_memory(tmp_path):
     assert not (tmp_path / "out.h5").exists()
 
 
-def test_numpy_file_names_are_refused_as_output(tmp_path):
-    with pytest.raises(ValueError, match=r"writes an HDF5 file, not numpy's format\. Name it e\.g\. '.*preds\.h5'\. Received: output='.*preds\.NPY'$"):
-        kerasmulti.parallel_predict(_model(), _data(4), output=str(tmp_path / "preds.NPY"), verbose=0)
+@pytest.mark.parametrize("name, format_name", [("preds.NPY", "numpy's format"), ("preds.csv", "CSV"), ("preds.json", "JSON")])
+def test_file_names_of_other_formats_are_refused_as_output(tmp_path, name, format_name):
+    # Written anyway, preds.csv would be an HDF5 file that a CSV reader cannot read.
+    with pytest.raises(ValueError, match=rf"writes an HDF5 file, not {format_name}\. Name it e\.g\. '.*preds\.h5'\. Received: output='.*{name}'$"):
+        kerasmulti.parallel_predict(_model(), _data(4), output=str(tmp_path / name), verbose=0)
     assert os.listdir(tmp_path) == []
 
 

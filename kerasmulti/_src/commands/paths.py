@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from kerasmulti._src.inference.output_path import path_problem
+from kerasmulti._src.inference.output_path import other_format, path_problem
 
 MODEL_SUFFIXES = (".keras", ".h5", ".hdf5")  # the files Keras' load_model reads, by their names
 
@@ -51,9 +51,9 @@ def _check_output(path: str) -> None:
     problem = path_problem(path)
     if problem == "empty":
         raise ValueError("--output is empty. Name the HDF5 file for the results, e.g. --output features.h5. Received: --output=''")
-    if problem == "numpy":
+    if problem == "format":
         raise ValueError(
-            f"--output is an HDF5 file, not numpy's format. Name it e.g. --output {os.path.splitext(path)[0]}.h5. "
+            f"--output is an HDF5 file, not {other_format(path)}. Name it e.g. --output {os.path.splitext(path)[0]}.h5. "
             f"Received: --output={path!r}"
         )
     if problem == "folder":

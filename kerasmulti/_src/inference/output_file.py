@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 from keras import tree
 
-from kerasmulti._src.inference.output_path import path_problem
+from kerasmulti._src.inference.output_path import other_format, path_problem
 from kerasmulti._src.utils import atomic as _atomic
 
 PROGRESS = "kerasmulti_rows_done"
@@ -54,10 +54,10 @@ def check_path(output) -> str:
         raise ValueError(
             "parallel_predict() got an empty output path. Pass e.g. 'features.h5', or None. Received: output=''"
         )
-    if problem == "numpy":
+    if problem == "format":
         stem = os.path.splitext(path)[0]
         raise ValueError(
-            f"parallel_predict() writes an HDF5 file, not numpy's format. Name it e.g. {stem + '.h5'!r}. "
+            f"parallel_predict() writes an HDF5 file, not {other_format(path)}. Name it e.g. {stem + '.h5'!r}. "
             f"Received: output={path!r}"
         )
     if problem == "folder":
