@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-
 # Formats an output gets named for that it would not be in: written anyway, it would be an
 # HDF5 file under that name, which np.load, a CSV reader or a JSON parser cannot read.
 _OTHER_FORMATS = {
