@@ -416,3 +416,25 @@ def test_a_new_file_clears_the_temporary_a_killed_run_left_while_making_it(tmp_p
     kerasmulti.parallel_predict(model, x, output=path, verbose=0)
     assert sorted(os.listdir(tmp_path)) == sorted(["out.h5", os.path.basename(theirs)])
     _assert_file_holds(path, model, x)
+
+
+def test_outputs_whose_names_hdf5_cannot_hold_are_stored_numbered(tmp_path):
+    # HDF5 reads '/' as a group: "a" and "a/b" clashed ("Incompatible object (Dataset) already exists").
+    class Paths(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, inputs):
+            h = self.dense(inputs)
+            return {"a/b": h, "a": h * 2.0}
+
+    model, x = Paths(), _data(9)
+    model(x[:1])
+    path = str(tmp_path / "out.h5")
+    kerasmulti.parallel_predict(model, x, batch_size=4, output=path, verbose=0)
+    expected = model.predict(x, verbose=0)
+    with h5py.File(path, "r") as f:
+        assert sorted(f) == ["output_0", "output_1"]
+        for i, name in enumerate(sorted(expected)):  # in the order of the model's flattened outputs
+            np.testing.assert_allclose(f[f"output_{i}"][:], expected[name], rtol=1e-5, atol=1e-6)

@@ -93,7 +93,8 @@ def _output_names(template, outputs) -> list[str]:
         if not names and getattr(template, "outputs", None):
             # Sequential has no output_names; its outputs know their layers.
             names = [keras_private.keras_history(t).operation.name for t in template.outputs]
-    if len(names) != len(flat) or len(set(names)) != len(names):
+    usable = all(isinstance(name, str) and name not in ("", ".") and "/" not in name for name in names)  # '/': an HDF5 group
+    if len(names) != len(flat) or len(set(names)) != len(names) or not usable:
         names = [f"output_{i}" for i in range(len(flat))]
     return names
 
