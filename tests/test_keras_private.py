@@ -260,6 +260,8 @@ def test_the_methods_kerasmulti_overrides_keep_their_signatures():
                 assert parameters == expected[name], f"{cls.__name__}.{name} is now {parameters}"
     assert list(inspect.signature(keras.callbacks.ModelCheckpoint._save_model).parameters) == ["self", "epoch", "batch", "logs"]
     assert list(inspect.signature(keras.callbacks.BackupAndRestore._save_model).parameters) == ["self"]
+    moments = getattr(keras.layers.BatchNormalization, _keras_private.BATCHNORM_MOMENTS)  # replaced across workers
+    assert list(inspect.signature(moments).parameters) == ["self", "inputs", "mask"]
 
 
 def _tower():

@@ -20,9 +20,12 @@ saves OUT/reference.npz. Phases:
   per-step sample weights, a weight and an activity regulariser), whose batch
   totals are not row counts; fit with a remainder batch, with even batches
   (per-output losses), evaluate.
+- statistics: BatchNormalization of features whose mean is 50 times their
+  spread, and of masked steps.
 - coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
   metric counts how often each sample was seen, across the cluster and (with
   a plain variable) by each worker.
+- float64: the arrays' model with float64 weights (Keras' floatx).
 - inference: parallel_predict runs on the worker's own devices; only the chief
   may write an output file.
 """
@@ -170,6 +173,23 @@ evaluation = target.evaluate(padded, targets, sample_weight=weights, batch_size=
 save("losses", template, uneven=[uneven[k] for k in names], even=[even[k] for k in names],
      evaluation=[evaluation[k] for k in names])
 
+# statistics: BatchNormalization of features whose mean is 50 times their spread (E[x²] - E[x]², Keras'
+# own synchronized=True, lost the variance's digits) and of masked steps (it left the mask out)
+def normalised(seed):
+    keras.utils.set_random_seed(seed)
+    tokens, far = keras.Input((5,), dtype="int32", name="tokens"), keras.Input((3,), name="far")
+    steps = keras.layers.BatchNormalization(name="steps")(keras.layers.Embedding(12, 4, mask_zero=True)(tokens))
+    features = [keras.layers.GlobalAveragePooling1D()(steps), keras.layers.BatchNormalization(name="far_features")(far)]
+    return keras.Model([tokens, far], keras.layers.Dense(1)(keras.layers.Concatenate()(features)))
+
+
+offset = (100.0 + rng.normal(scale=2.0, size=(22, 3))).astype("float32")
+template = normalised(0)
+target = template if reference else kerasmulti.parallelize(template)
+target.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+history = target.fit([padded, offset], targets["score"], batch_size=6, epochs=2, shuffle=False, verbose=0).history
+save("statistics", template, loss=history["loss"])
+
 # coverage: the metric counts each sample's id (y) as it is seen
 if not reference:
 
@@ -192,6 +212,14 @@ if not reference:
             kerasmulti.parallel_predict(template, x, output=os.path.join(out, "clobbered.h5"))
         except RuntimeError as error:
             results["inference/refusal"] = np.asarray(str(error))
+
+# float64, last: Keras' floatx for every model made after it (a float64 loss was divided by a float32 share)
+keras.config.set_floatx("float64")
+keras.config.set_dtype_policy("float64")  # the layers' (the policy in use was made from floatx before)
+template = model(4)
+target = trainable(template)
+history = target.fit(x.astype("float64"), y.astype("float64"), batch_size=6, epochs=2, shuffle=False, verbose=0).history
+save("float64", template, loss=history["loss"], dtypes=[str(w.dtype) for w in template.weights])
 
 np.savez(os.path.join(out, "reference.npz" if reference else f"worker-{index}.npz"), **results)
 print("done", flush=True)

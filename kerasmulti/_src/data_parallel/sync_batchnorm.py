@@ -52,29 +52,8 @@ def _synchronized_call(layer, original):
             return original(inputs, training=training, mask=mask)
         _compiled_calls.refuse(f"holds BatchNormalization '{layer.name}' (whole-batch statistics)")
         x = ops.cast(inputs, keras.backend.result_type(inputs.dtype, "float32"))
-        axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
         valid = ops.cast(_replicas.valid(), x.dtype)
-        # As Keras' _moments: masked elements are left out (`where`, so that
-        # whatever they hold cannot reach the sums), and a masked count gets
-        # epsilon, so a wholly masked batch gives zeros, not NaN.
-        if mask is None:
-            kept, epsilon = None, 0.0
-        else:
-            kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
-            epsilon = keras.backend.epsilon()
-
-        def masked(values):
-            return values if kept is None else ops.where(kept, values, 0)
-
-        w = masked(ops.ones_like(x))
-        totals = _all_reduce_sum(
-            rendezvous,
-            ops.stack([ops.stop_gradient(ops.sum(w, axes)), ops.sum(masked(x), axes)]) * valid,
-        )
-        count = totals[0] + epsilon
-        global_mean = totals[1] / count
-        deviations = ops.sum(masked(ops.square(x - _expand(global_mean, x, axes))), axes)
-        variance = _all_reduce_sum(rendezvous, deviations * valid) / count
+        global_mean, variance = global_moments(layer, x, mask, lambda value: _all_reduce_sum(rendezvous, value * valid))
         if _replicas.replica_id() == 0:
             momentum = layer.momentum
             layer.moving_mean.assign(
@@ -97,6 +76,47 @@ def _synchronized_call(layer, original):
         return ops.cast(outputs, layer.compute_dtype)
 
     return call
+
+
+def global_moments(layer, x, mask, reduce_sum) -> tuple:
+    """The mean and variance of `x` per feature of `layer` over every replica's rows, as one device takes them.
+
+    `reduce_sum` sums a tensor over the replicas. The mean comes first (the
+    row counts and sums, one reduction), then the squared deviations from it
+    (a second): E[x²] - E[x]², Keras' own `synchronized=True`, loses most of
+    float32's digits where a feature's mean is large against its spread (a
+    deep convnet's first layers). As Keras' `_moments`, masked elements are
+    left out (`where`, so that whatever they hold cannot reach the sums) and
+    a masked count gets epsilon: a wholly masked batch gives zeros, not NaN.
+    """
+    axes = [a for a in range(len(x.shape)) if a != layer.axis % len(x.shape)]  # all but the features
+    if mask is None:
+        kept, epsilon = None, 0.0
+    else:
+        kept = ops.cast(ops.broadcast_to(ops.expand_dims(mask, -1), ops.shape(x)), "bool")
+        epsilon = keras.backend.epsilon()
+
+    def masked(values):
+        return values if kept is None else ops.where(kept, values, 0)
+
+    totals = reduce_sum(ops.stack([ops.stop_gradient(ops.sum(masked(ops.ones_like(x)), axes)), ops.sum(masked(x), axes)]))
+    count = totals[0] + epsilon
+    mean = totals[1] / count
+    variance = reduce_sum(ops.sum(masked(ops.square(x - _expand(mean, x, axes))), axes)) / count
+    return mean, variance
+
+
+def replica_context_moments(layer):
+    """`layer`'s `_moments` (a BatchNormalization's statistics) taken by `global_moments` over the replicas of
+    `tf.distribute`'s replica context (across workers), or Keras' own outside one."""
+
+    def moments(inputs, mask):
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            return getattr(type(layer), keras_private.BATCHNORM_MOMENTS)(layer, inputs, mask)
+        return global_moments(layer, inputs, mask, lambda value: context.all_reduce("sum", value))
+
+    return moments
 
 
 def _all_reduce_sum(rendezvous, value):

@@ -158,6 +158,9 @@ OVERRIDDEN = {
     keras.callbacks.ModelCheckpoint: ("_save_model",),
     keras.callbacks.BackupAndRestore: ("_save_model",),
 }
+# `BatchNormalization._moments(inputs, mask)`: replaced on each layer across workers by one
+# device's statistics over every worker's rows (`sync_batchnorm.replica_context_moments`).
+BATCHNORM_MOMENTS = "_moments"
 
 
 # --- Layers and functional graphs ---------------------------------------------
@@ -378,8 +381,8 @@ def tensorflow_started() -> bool:
 
 
 __all__ = [
-    "CLUSTER_TENSORFLOW", "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_due", "checkpoint_file_path",
-    "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
+    "BATCHNORM_MOMENTS", "CLUSTER_TENSORFLOW", "OVERRIDDEN", "accumulators", "added_losses", "backup_paths", "backup_due",
+    "checkpoint_file_path", "checkpoint_should_save", "clip_gradients", "compile_arguments", "compiled_loss", "compute_loss",
     "filter_empty_gradients", "flatten_layers", "graph_node_keys", "inbound_nodes", "keras_history",
     "learning_rate_or_schedule", "loss_tracker", "nodes_by_depth", "optimizer_iterations", "optimizer_strategy",
     "optimizer_trainable_variables", "rekey_optimizer", "reinitialize", "variable_key", "dataset_count", "dataset_inputs", "own_metrics",

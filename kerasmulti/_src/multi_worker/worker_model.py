@@ -274,7 +274,7 @@ class WorkerModel(ParallelModel):
             loss = keras_private.compute_loss(self, x, y, y_pred, sample_weight, training)
         # part / share, weighted by this replica's rows: the mean across
         # workers is the global batch's loss.
-        keras_private.loss_tracker(self).update_state(tf.math.divide_no_nan(loss, share), sample_weight=rows)
+        keras_private.loss_tracker(self).update_state(tf.math.divide_no_nan(loss, tf.cast(share, loss.dtype)), sample_weight=rows)
         return loss
 
     @contextlib.contextmanager

@@ -49,6 +49,7 @@ from kerasmulti._src.data_parallel import custom_steps as _custom_steps
 from kerasmulti._src.data_parallel import replicas as _replicas
 from kerasmulti._src.data_parallel import split as _split
 from kerasmulti._src.data_parallel import step_merging as _step_merging
+from kerasmulti._src.data_parallel import sync_batchnorm as _sync_batchnorm
 from kerasmulti._src.data_parallel.sync_batchnorm import batchnorm_layers, share_weighted_sum
 from kerasmulti._src.keras_private import loss_module
 from kerasmulti._src.multi_worker import accumulation as _accumulation
@@ -355,17 +356,11 @@ def _unchanged(value):
     return value
 
 
-@contextlib.contextmanager
 def _synchronized_batchnorm(layers):
-    """Inside: `layers` (BatchNormalization) compute their statistics over every replica's rows."""
-    previous = [layer.synchronized for layer in layers]
-    for layer in layers:
-        layer.synchronized = True
-    try:
-        yield
-    finally:
-        for layer, value in zip(layers, previous):
-            layer.synchronized = value
+    """Inside: `layers` (BatchNormalization) take their statistics over every replica's rows, as one device would
+    (Keras' own `synchronized=True` loses digits: `sync_batchnorm.global_moments`)."""
+    moments = keras_private.BATCHNORM_MOMENTS
+    return _patching.patched([(layer, moments, _sync_batchnorm.replica_context_moments(layer)) for layer in layers])
 
 
 @contextlib.contextmanager
