@@ -100,6 +100,11 @@ try:  # each worker another global batch size: refused on both, before a step ru
 except ValueError as error:
     results["batch_refusal"] = str(error)
 
+try:  # each worker another number of rows
+    parallel.fit(x[: len(x) - 8 * index], y[: len(y) - 8 * index], batch_size=16, verbose=0)
+except ValueError as error:
+    results["rows_refusal"] = str(error)
+
 results["available_devices"] = kerasmulti.available_devices()
 
 with open(os.path.join(out, f"worker-{index}.json"), "w") as file:

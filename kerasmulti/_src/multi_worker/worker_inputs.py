@@ -125,7 +125,8 @@ def check_alike(strategy, arguments: dict, monitored: bool) -> None:
         if len(set(table[:, column])) > 1:
             given = [None if v == -1 else int(v) for v in table[:, column]]
             raise ValueError(
-                f"fit() got another {name} on each worker; every worker passes the same global data. "
+                f"fit() got a different {'number of rows' if name == 'rows' else name} on each worker; every worker "
+                "passes the same global data. "
                 f"Pass the same on all. Received: {name}={given} (by worker)"
             )
 
