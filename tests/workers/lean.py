@@ -3,7 +3,7 @@
 Keras imports scikit-learn (for its scikit-learn wrappers) and matplotlib (for
 its image gallery) whenever they are installed, and the suite's environment has
 both, for the demo and the notebooks: about 2 s of CPU in every process, a third
-of its start-up. The suite starts a worker process a few hundred times. No
+of its start-up, and the suite starts such processes over a hundred times. No
 worker script uses either, so both are marked absent here (`None` in
 `sys.modules`): Keras' `import` fails as if they were not installed, and it goes
 on without them, as it does on a machine without them. kerasmulti never imports
