@@ -25,9 +25,9 @@ saves OUT/reference.npz. Phases:
 - coverage: shuffled arrays with validation_split=0.25 (the last 6 rows); a
   metric counts how often each sample was seen, across the cluster and (with
   a plain variable) by each worker.
-- float64: the arrays' model with float64 weights (Keras' floatx).
 - inference: parallel_predict runs on the worker's own devices; only the chief
   may write an output file.
+- float64, last (it sets Keras' floatx): the arrays' model with float64 weights.
 """
 
 import lean  # noqa: F401, I001  (first: Keras' optional imports left out, 2 s a process)
